@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up .venv (see setup.sh) and run the whole test suite: lint, then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+.venv/bin/ruff check src tests benchmarks
+.venv/bin/python -m pytest -q

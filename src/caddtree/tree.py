@@ -1,0 +1,437 @@
+"""Draft-tree construction from a block-diffusion drafter's per-position marginals.
+
+Notation (paper, Sections 2.2-3.5). The drafter produces marginals ``q_i`` for the ``L`` positions
+after the bonus token ``b`` (Eq. marginals). A node ``s = (s_1, ..., s_d)`` of a draft tree is the
+depth-``d`` token sequence ``(b, s_1, ..., s_d)``. Its *prefix probability* is
+
+    pi_s = prod_{i <= d} q_i(s_i)                                           (Eq. prefix-prob)
+
+and the surrogate expected acceptance of a tree is ``phi(T) = sum_{s in T} pi_s`` (Eq. surrogate).
+Sorting all prefix probabilities as ``delta_1 >= delta_2 >= ...`` gives the best value for a tree of
+``n`` nodes, ``phi*(n) = delta_1 + ... + delta_n`` (Eq. phistar), reached by the top-``n`` prefixes.
+
+Every policy here is the same best-first expansion (a max-heap over log prefix probabilities that
+pops prefixes in non-increasing ``delta`` and pushes the popped node's next sibling and first child);
+they differ only in when the expansion stops:
+
+* :func:`build_ddtree` - DDTree: after a fixed ``budget`` of nodes.
+* :func:`build_caddtree` - CaDDTree (Algorithm 1): at the first ``n`` where the surrogate throughput
+
+      theta*(n) = (1 + phi*(n)) / (draft_cost + verify_cost(n; l))          (Eq. per-round)
+
+  stops increasing, i.e. ``theta*(n + 1) <= theta*(n)``. For a verification cost that is convex in
+  ``n`` this ``n*`` is the global maximiser of ``theta*`` (Theorem 1, Corollaries 1 and 2).
+* :func:`build_chain` - the DFlash chain: the top-1 token at every position (the same expansion
+  restricted to one candidate per position).
+
+This module is pure numpy: no model code. Draft logits may be given as a torch tensor (any device),
+a numpy array, or as precomputed top-K log-probabilities (:class:`TopK`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import InvalidInputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cost import CostModel
+
+__all__ = [
+    "DraftTree",
+    "TopK",
+    "build_caddtree",
+    "build_chain",
+    "build_ddtree",
+    "surrogate_throughput",
+    "topk_log_probs",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs: per-position top-K log-probabilities
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The drafter's top-``K`` candidates at each of ``L`` positions.
+
+    ``log_probs[i, k]`` is ``log q_{i+1}`` of the ``k``-th most likely token ``token_ids[i, k]``;
+    each row is sorted in non-increasing order. Log-probabilities are normalised over the whole
+    vocabulary, not over the ``K`` kept candidates.
+    """
+
+    log_probs: np.ndarray  # float64 [L, K]
+    token_ids: np.ndarray  # int64 [L, K]
+
+    def __post_init__(self) -> None:
+        lp = np.asarray(self.log_probs, dtype=np.float64)
+        ids = np.asarray(self.token_ids, dtype=np.int64)
+        if lp.ndim != 2 or lp.shape != ids.shape:
+            raise InvalidInputError(
+                "TopK needs log_probs and token_ids of the same shape [L, K]; got "
+                f"{tuple(lp.shape)} and {tuple(ids.shape)}"
+            )
+        if lp.shape[0] < 1 or lp.shape[1] < 1:
+            raise InvalidInputError(
+                f"TopK needs at least one position and one candidate; got {lp.shape}"
+            )
+        if np.isnan(lp).any() or (lp > 1e-6).any():
+            raise InvalidInputError(
+                "TopK log_probs must be log-probabilities (<= 0, no NaN); check the draft logits "
+                "for NaN or pass raw logits instead"
+            )
+        if lp.shape[1] > 1 and (np.diff(lp, axis=1) > 1e-12).any():
+            raise InvalidInputError("TopK log_probs must be sorted in non-increasing order per row")
+        object.__setattr__(self, "log_probs", lp)
+        object.__setattr__(self, "token_ids", ids)
+
+    @property
+    def depth(self) -> int:
+        """``L``: the number of drafted positions."""
+        return int(self.log_probs.shape[0])
+
+    @property
+    def k(self) -> int:
+        """``K``: candidates kept per position."""
+        return int(self.log_probs.shape[1])
+
+
+def topk_log_probs(draft_logits: Any, k: int) -> TopK:
+    """Log-softmax over the vocabulary, then the top-``k`` tokens of every position.
+
+    ``draft_logits`` is ``[L, V]`` (a torch tensor on any device, or a numpy array). The vocabulary-
+    wide work (log-softmax and top-k) runs where the tensor lives; only ``[L, k]`` values come back.
+    ``k`` is capped at ``V``.
+    """
+    if isinstance(draft_logits, TopK):
+        return draft_logits
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise InvalidInputError(f"k must be a positive integer, got {k!r}")
+    if _is_torch_tensor(draft_logits):
+        import torch
+
+        if draft_logits.ndim != 2 or draft_logits.shape[0] < 1 or draft_logits.shape[1] < 1:
+            raise InvalidInputError(
+                f"draft logits must have shape [L, V] with L, V >= 1; got {tuple(draft_logits.shape)}"
+            )
+        k = min(int(k), int(draft_logits.shape[1]))
+        with torch.no_grad():
+            logp = torch.log_softmax(draft_logits.float(), dim=-1)
+            values, indices = torch.topk(logp, k, dim=-1)
+        return TopK(values.double().cpu().numpy(), indices.cpu().numpy())
+
+    logits = np.asarray(draft_logits)
+    if logits.ndim != 2 or logits.shape[0] < 1 or logits.shape[1] < 1:
+        raise InvalidInputError(
+            f"draft logits must have shape [L, V] with L, V >= 1; got {tuple(logits.shape)}"
+        )
+    if not np.issubdtype(logits.dtype, np.floating):
+        raise InvalidInputError(f"draft logits must be floating point, got dtype {logits.dtype}")
+    logits = logits.astype(np.float64, copy=False)
+    k = min(int(k), logits.shape[1])
+    m = logits.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+    if k < logits.shape[1]:
+        idx = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    else:
+        idx = np.broadcast_to(np.arange(logits.shape[1]), logits.shape).copy()
+    vals = np.take_along_axis(logits, idx, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    idx = np.take_along_axis(idx, order, axis=1)
+    vals = np.take_along_axis(vals, order, axis=1) - lse
+    if np.isnan(vals).any():
+        raise InvalidInputError("draft logits contain NaN")
+    return TopK(vals, idx)
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("torch") and hasattr(x, "detach")
+
+
+# --------------------------------------------------------------------------------------------------
+# The tree
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A prefix-closed draft tree hanging below the bonus token (the root, which is not a node).
+
+    Nodes are stored in the order they were selected, so parents come before their children and,
+    for trees built here, ``log_probs`` is non-increasing.
+
+    Attributes:
+        token_ids: token of each node, int64 ``[n]``.
+        parents: index of each node's parent node, or ``-1`` for a child of the root, int64 ``[n]``.
+        depths: depth of each node, 1-based (a child of the root has depth 1), int64 ``[n]``.
+        log_probs: log prefix probability ``log pi_s`` of each node, float64 ``[n]``.
+        ranks: rank of each node's token among the drafter's candidates at its depth (0 = the
+            drafter's top-1), int64 ``[n]``. Used for analysis and rendering only.
+    """
+
+    token_ids: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    log_probs: np.ndarray
+    ranks: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("token_ids", "parents", "depths", "ranks"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, np.asarray(value, dtype=np.int64).reshape(-1))
+        object.__setattr__(
+            self, "log_probs", np.asarray(self.log_probs, dtype=np.float64).reshape(-1)
+        )
+        n = self.token_ids.shape[0]
+        for name in ("parents", "depths", "log_probs", "ranks"):
+            value = getattr(self, name)
+            if value is not None and value.shape[0] != n:
+                raise InvalidInputError(
+                    f"DraftTree.{name} has {value.shape[0]} entries but token_ids has {n}"
+                )
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        """The tree with no nodes (plain autoregressive decoding verifies only the bonus token)."""
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z, np.zeros(0), z)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def __repr__(self) -> str:
+        depth = int(self.depths.max()) if len(self) else 0
+        return f"DraftTree(nodes={len(self)}, depth={depth}, phi={self.phi:.4f})"
+
+    @property
+    def phi(self) -> float:
+        """Surrogate expected acceptance ``phi(T) = sum of prefix probabilities`` (Eq. surrogate)."""
+        return float(np.exp(self.log_probs).sum())
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if len(self) else 0
+
+    # ---- structure ------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidInputError` unless the tree is well formed.
+
+        Checks: parents precede children, depths are parent depth + 1 (1 below the root), and no
+        two children of one parent carry the same token (so a path is identified by its tokens).
+        """
+        n = len(self)
+        idx = np.arange(n)
+        if ((self.parents < -1) | (self.parents >= idx)).any():
+            raise InvalidInputError("every parent index must be -1 or an earlier node")
+        parent_depth = np.where(self.parents >= 0, self.depths[np.maximum(self.parents, 0)], 0)
+        if n and not np.array_equal(self.depths, parent_depth + 1):
+            raise InvalidInputError("every depth must be its parent's depth + 1 (1 below the root)")
+        keys = set(zip(self.parents.tolist(), self.token_ids.tolist()))
+        if len(keys) != n:
+            raise InvalidInputError("two children of the same parent carry the same token")
+
+    def visibility_mask(self) -> np.ndarray:
+        """Ancestor visibility over ``[root] + nodes`` as a boolean ``[n+1, n+1]`` matrix.
+
+        ``mask[i, j]`` is True where row ``i`` may attend to column ``j``: ``j`` is ``i`` itself or an
+        ancestor of ``i``. Index 0 is the root (the bonus token); node ``k`` is index ``k + 1``.
+        """
+        n = len(self)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        mask[:, 0] = True
+        rows = np.arange(1, n + 1)
+        anc = rows.copy()  # 1-based index into [root] + nodes; 0 is the root
+        parents1 = np.concatenate(([0], self.parents + 1))  # parent of 1-based index, root -> 0
+        # Walk every node up to the root at once; a tree has at most max_depth levels.
+        for _ in range(self.max_depth):
+            live = anc > 0
+            if not live.any():
+                break
+            mask[rows[live], anc[live]] = True
+            anc = parents1[anc]
+        mask[0, 0] = True
+        return mask
+
+    @cached_property
+    def _children_csr(self) -> tuple[np.ndarray, np.ndarray]:
+        # children of parent p (p = -1 for the root) are order[start[p+1]:start[p+2]], in node order.
+        n = len(self)
+        order = np.argsort(self.parents + 1, kind="stable")
+        counts = np.bincount(self.parents + 1, minlength=n + 1)
+        start = np.concatenate(([0], np.cumsum(counts)))
+        return order, start
+
+    def children(self, node: int) -> np.ndarray:
+        """Indices of the children of ``node`` (``-1`` for the root), in selection order."""
+        if not -1 <= node < len(self):
+            raise IndexError(f"node {node} is not in a tree of {len(self)} nodes")
+        order, start = self._children_csr
+        return order[start[node + 1] : start[node + 2]]
+
+    @cached_property
+    def _child_index(self) -> dict[tuple[int, int], int]:
+        return {
+            (p, t): i
+            for i, (p, t) in enumerate(zip(self.parents.tolist(), self.token_ids.tolist()))
+        }
+
+    def child_with_token(self, node: int, token: int) -> int:
+        """Index of the child of ``node`` (``-1`` = root) that carries ``token``, or ``-1`` if none."""
+        return self._child_index.get((int(node), int(token)), -1)
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from depth 1 down to ``node`` (inclusive)."""
+        out: list[int] = []
+        parents = self.parents
+        while node >= 0:
+            out.append(int(node))
+            node = int(parents[node])
+        return out[::-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# The one best-first expansion
+# --------------------------------------------------------------------------------------------------
+
+
+def _expand(topk: TopK, max_nodes: int, denominators: Sequence[float] | None = None) -> DraftTree:
+    """Best-first expansion over prefixes in non-increasing prefix probability.
+
+    Pops at most ``max_nodes`` prefixes. With ``denominators`` (``draft_cost + verify_cost(n)`` for
+    ``n = 0 .. max_nodes``), it also stops at the first ``n`` where ``theta*(n+1) <= theta*(n)``
+    (Algorithm 1, Eq. stopping); without, it is DDTree's fixed budget.
+
+    A heap entry is ``(-score, parent_score, parent, depth, rank)``: the prefix made of the parent
+    node's path plus the ``rank``-th candidate at position ``depth``. Accepting it replaces it by
+    its next sibling (``rank + 1``) and pushes its first child (rank 0 at ``depth + 1``), so the
+    heap only ever holds the frontier of the best-first order.
+    """
+    if max_nodes <= 0:
+        return DraftTree.empty()
+    L, K = topk.depth, topk.k
+    lp_array = topk.log_probs
+    # Python floats index much faster than numpy scalars in this loop. Rows are converted lazily,
+    # in growing chunks, because a round rarely looks past the first few candidates of a position.
+    chunk = min(K, 8)
+    rows = lp_array[:, :chunk].tolist()
+    popped: list[tuple[float, float, int, int, int]] = []
+    record = popped.append
+    heap: list[tuple[float, float, int, int, int]] = [(-rows[0][0], 0.0, -1, 1, 0)]
+    heappush, heappop, heapreplace, exp = heapq.heappush, heapq.heappop, heapq.heapreplace, math.exp
+    cost_aware = denominators is not None
+    phi = 0.0
+    theta_prev = 1.0 / denominators[0] if cost_aware else 0.0
+    n = 0
+    while heap and n < max_nodes:
+        item = heap[0]
+        score = -item[0]
+        if cost_aware:
+            delta = exp(score)
+            theta_new = (1.0 + phi + delta) / denominators[n + 1]
+            if theta_new <= theta_prev:  # Eq. stopping: theta*(n+1) <= theta*(n)
+                break
+            phi += delta
+            theta_prev = theta_new
+        record(item)
+        _, pscore, parent, depth, rank = item
+        sibling = rank + 1
+        if sibling < K:
+            row = rows[depth - 1]
+            try:
+                sib_score = pscore + row[sibling]
+            except IndexError:
+                row.extend(lp_array[depth - 1, sibling : 2 * sibling].tolist())
+                sib_score = pscore + row[sibling]
+            heapreplace(heap, (-sib_score, pscore, parent, depth, sibling))
+        else:
+            heappop(heap)
+        if depth < L:
+            heappush(heap, (-(score + rows[depth][0]), score, n, depth + 1, 0))
+        n += 1
+    if not popped:
+        return DraftTree.empty()
+    cols = np.fromiter(popped, dtype=_HEAP_ENTRY, count=len(popped))
+    depths, ranks = cols["depth"], cols["rank"]
+    return DraftTree(topk.token_ids[depths - 1, ranks], cols["parent"], depths, -cols["neg"], ranks)
+
+
+_HEAP_ENTRY = np.dtype(
+    [("neg", "f8"), ("pscore", "f8"), ("parent", "i8"), ("depth", "i8"), ("rank", "i8")]
+)
+
+
+def _check_budget(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidInputError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def build_ddtree(draft_logits: Any, budget: int) -> DraftTree:
+    """DDTree: the ``budget`` prefixes with the largest prefix probability (Eq. phistar).
+
+    ``draft_logits`` is ``[L, V]`` logits (torch or numpy) or a :class:`TopK`. The tree is built
+    best-first and is prefix-closed. If fewer than ``budget`` prefixes exist (tiny vocabularies, or a
+    :class:`TopK` with few candidates), the tree holds all of them.
+    """
+    budget = _check_budget("budget", budget)
+    topk = topk_log_probs(draft_logits, max(budget, 1))
+    return _expand(topk, budget)
+
+
+def build_chain(draft_logits: Any) -> DraftTree:
+    """The DFlash chain: the top-1 token at each of the ``L`` positions."""
+    topk = topk_log_probs(draft_logits, 1)
+    if topk.k > 1:
+        topk = TopK(topk.log_probs[:, :1], topk.token_ids[:, :1])
+    return _expand(topk, topk.depth)
+
+
+def build_caddtree(
+    draft_logits: Any,
+    cost_model: CostModel,
+    context_length: int,
+    max_budget: int = 1024,
+) -> DraftTree:
+    """CaDDTree (Algorithm 1): the tree that maximises surrogate throughput ``theta*(n)``.
+
+    Expands best-first and stops at the first ``n`` where ``theta*(n+1) <= theta*(n)``, or at
+    ``max_budget`` nodes. The result equals ``build_ddtree(draft_logits, n*)`` with ``n* = len(tree)``.
+    Under a convex verification cost (every :class:`~caddtree.cost.ConvexCostModel`) it is the
+    throughput-optimal tree (Corollaries 1 and 2).
+
+    ``context_length`` is the number of tokens already in the target's KV cache when the tree is
+    verified; it selects the verification-cost curve.
+    """
+    max_budget = _check_budget("max_budget", max_budget)
+    context_length = _check_budget("context_length", context_length)
+    topk = topk_log_probs(draft_logits, max(max_budget, 1))
+    denominators = cost_model.round_cost_table(context_length, max_budget)
+    return _expand(topk, max_budget, denominators.tolist())
+
+
+def surrogate_throughput(
+    draft_logits: Any, cost_model: CostModel, context_length: int, max_budget: int
+) -> np.ndarray:
+    """``theta*(n)`` for ``n = 0 .. max_budget`` (Eq. decomposition), by brute force.
+
+    Meant for analysis and tests; :func:`build_caddtree` never evaluates the whole curve.
+    Entries past the number of existing prefixes repeat the last ``phi*``.
+    """
+    max_budget = _check_budget("max_budget", max_budget)
+    tree = build_ddtree(draft_logits, max_budget)
+    phi = np.concatenate(([0.0], np.cumsum(np.exp(tree.log_probs))))
+    if phi.shape[0] < max_budget + 1:
+        phi = np.concatenate((phi, np.full(max_budget + 1 - phi.shape[0], phi[-1])))
+    return (1.0 + phi) / cost_model.round_cost_table(context_length, max_budget)
