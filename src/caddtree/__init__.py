@@ -5,7 +5,11 @@ Public API (see README.md):
 * draft trees - :class:`DraftTree`, :func:`build_chain`, :func:`build_ddtree`, :func:`build_caddtree`
 * cost models - :class:`CostModel`, :class:`ConvexCostModel`, :class:`ConstantCostModel`,
   :func:`load_cost_model`
+* generation - :class:`SpeculativeGenerator` (``from_pretrained`` then ``generate``) and the
+  DFlash drafter :class:`DFlashDraftModel`; these load torch and transformers on first use.
 """
+
+from typing import Any
 
 from .cost import ConstantCostModel, ConvexCostModel, CostModel, FitQuality, load_cost_model
 from .errors import CaddtreeError, CheckpointError, CostModelError, InvalidInputError
@@ -21,6 +25,23 @@ from .tree import (
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "SpeculativeGenerator": "api",
+    "GenerationResult": "api",
+    "DFlashDraftModel": "models",
+    "METHODS": "decoding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Keep `import caddtree` light: the tree and cost layers need only numpy.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CaddtreeError",
     "CheckpointError",
@@ -28,9 +49,13 @@ __all__ = [
     "ConvexCostModel",
     "CostModel",
     "CostModelError",
+    "DFlashDraftModel",
     "DraftTree",
     "FitQuality",
+    "GenerationResult",
     "InvalidInputError",
+    "METHODS",
+    "SpeculativeGenerator",
     "TopK",
     "build_caddtree",
     "build_chain",

@@ -10,7 +10,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import CaddtreeError
+from .decoding import METHODS
+from .errors import CaddtreeError, InvalidInputError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -66,6 +67,76 @@ def _tree_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
+    import json
+
+    import torch
+
+    from .api import SpeculativeGenerator, resolve_dtype
+    from .decoding import Sampler
+
+    if args.method != "ar" and args.draft is None:
+        raise InvalidInputError(f"--method {args.method} needs --draft (a DFlash checkpoint)")
+    if args.method == "caddtree" and args.cost_model is None:
+        raise InvalidInputError(
+            "--method caddtree needs --cost-model FILE (a JSON file from ConvexCostModel.fit(...)"
+            ".save() or a published .pt cost model)"
+        )
+    if args.budget is not None and args.method != "ddtree":
+        raise InvalidInputError("--budget only applies to --method ddtree")
+    if args.method == "ddtree" and args.budget is None:
+        args.budget = 64
+    # check what needs no model before spending time on loading one
+    if args.max_new_tokens <= 0:
+        raise InvalidInputError(
+            f"max_new_tokens must be a positive integer, got {args.max_new_tokens}"
+        )
+    Sampler(args.temperature, args.top_p)
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    gen = SpeculativeGenerator.from_pretrained(
+        args.target,
+        args.draft if args.method != "ar" else None,
+        dtype=args.dtype,
+        device=args.device,
+        cost_model=args.cost_model,
+    )
+    streamed = []
+
+    def stream(_stats, tokens):
+        streamed.extend(tokens)
+        if not args.json and not args.no_stream and gen.tokenizer is not None:
+            print(gen.tokenizer.decode(tokens, skip_special_tokens=True), end="", flush=True)
+
+    result = gen.generate(
+        args.prompt,
+        method=args.method,
+        budget=args.budget,
+        max_budget=args.max_budget,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        chat=False if args.raw else None,
+        callback=stream,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(per_round=args.per_round)))
+        return 0
+    if args.no_stream:
+        print(result.text)
+    else:
+        print()
+    s = result.stats
+    budget = "" if s.method == "ar" else f"  budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
+    print(
+        f"[{s.method}] {s.new_tokens} tokens in {s.rounds} rounds  tau {s.tau:.2f}{budget}  "
+        f"{s.ms_per_token:.1f} ms/token  ({s.stop_reason})",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="caddtree",
@@ -83,6 +154,36 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_tree_demo)
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text with AR, DFlash, DDTree or CaDDTree",
+        description=_generate.__doc__,
+    )
+    p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
+    p.add_argument("--target", required=True, help="target model: a local directory or hub id")
+    p.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
+    p.add_argument("--method", choices=METHODS, default="caddtree")
+    p.add_argument("--budget", type=int, help="node budget for --method ddtree (default 64)")
+    p.add_argument(
+        "--max-budget", type=int, default=1024, help="largest CaDDTree tree (default 1024)"
+    )
+    p.add_argument(
+        "--cost-model", help="cost-model file for --method caddtree (JSON or published .pt)"
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--per-round", action="store_true", help="with --json: include per-round stats")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
+    p.set_defaults(handler=_generate)
     return parser
 
 

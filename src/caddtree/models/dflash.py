@@ -1,0 +1,585 @@
+"""The DFlash block-diffusion drafter, loadable from released DFlash checkpoints as they are.
+
+Architecture (paper, Section 2.2; DESIGN.md "Facts you will need"). A DFlash drafter is a stack of
+Qwen3-style decoder layers with no embedding and no output head of its own: it embeds its block with
+the *target's* ``embed_tokens`` and reads its logits through the *target's* ``lm_head``. It is
+conditioned on **context features**: the target's hidden states after the layers
+``target_layer_ids`` (``hidden_states[id + 1]`` of a transformers forward), concatenated over the
+``k`` ids into ``[.., k*H]`` and projected to ``H`` by ``fc`` then ``hidden_norm``. In every drafter
+layer
+
+* queries come from the ``B`` block positions only;
+* keys and values come from ``[context features ; block positions]`` (the context features enter
+  ``k_proj``/``v_proj`` directly, without the layer's input norm);
+* attention is **not** causal: every block position sees the whole context and the whole block;
+* rotary positions: context token ``j`` sits at its absolute position ``j``, the block continues
+  right after the context.
+
+Keys and values of context positions depend only on that position's feature (not on other tokens),
+so the drafter caches them in its own KV cache and only ever appends the features of newly committed
+tokens. Block keys/values are dropped after each pass.
+
+Checkpoint format (``config.json`` + ``model.safetensors``), as released::
+
+    architectures: ["DFlashDraftModel"], model_type: "qwen3", num_target_layers: int,
+    block_size: int                       (top level, or inside dflash_config in newer releases)
+    dflash_config: {mask_token_id: int, target_layer_ids: [int, ...] (optional)}
+
+    fc.weight [H, k*H], hidden_norm.weight, norm.weight,
+    layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
+    layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+    layers.{i}.self_attn.{q,k}_norm.weight
+
+:class:`DFlashDraftModel` is the ``torch`` module (load with ``from_pretrained``, save with
+``save_pretrained``); :class:`DFlashProposer` runs it once per decoding round.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel, Qwen3Config
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from ..errors import CheckpointError, InvalidInputError
+from .target import compact_cache
+
+__all__ = [
+    "DFLASH_ARCHITECTURE",
+    "DFlashDraftModel",
+    "DFlashProposer",
+    "DFlashSettings",
+    "check_drafter_fits_target",
+    "default_target_layer_ids",
+]
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+
+
+# --------------------------------------------------------------------------------------------------
+# DFlash settings in config.json
+# --------------------------------------------------------------------------------------------------
+
+
+def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
+    """Target layers whose outputs feed the drafter when a checkpoint does not list them.
+
+    The released rule: ``num_ids`` ids (one per drafter layer) spread evenly from layer 1 to layer
+    ``num_target_layers - 3`` and rounded; with a single id, the middle layer
+    ``num_target_layers // 2``. For example 36 target layers and 5 ids give ``[1, 9, 17, 25, 33]``.
+    """
+    if num_target_layers < 1 or num_ids < 1:
+        raise InvalidInputError(
+            f"need at least one target layer and one id; got {num_target_layers} and {num_ids}"
+        )
+    if num_ids == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    return [int(round(first + i * (last - first) / (num_ids - 1))) for i in range(num_ids)]
+
+
+@dataclass(frozen=True)
+class DFlashSettings:
+    """The DFlash-specific fields of a drafter's ``config.json``, validated.
+
+    Attributes:
+        block_size: ``B``, the drafted block: the bonus token plus ``B - 1`` masked positions.
+        mask_token_id: token id of the MASK placeholder, embedded by the target's ``embed_tokens``.
+        target_layer_ids: the ``k`` target layers whose outputs are the context features.
+        num_target_layers: the number of layers of the target the drafter was trained for, if known.
+    """
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> DFlashSettings:
+        """Read the settings; accept ``block_size`` at top level or inside ``dflash_config``."""
+        dflash = getattr(config, "dflash_config", None)
+        if not isinstance(dflash, dict):
+            raise CheckpointError(
+                "the drafter config has no 'dflash_config' section (with 'mask_token_id'); "
+                "is this a DFlash checkpoint?"
+            )
+        block_size = dflash.get("block_size", getattr(config, "block_size", None))
+        if block_size is None:
+            raise CheckpointError(
+                "the drafter config has no 'block_size' (neither at top level nor in dflash_config)"
+            )
+        mask_token_id = dflash.get("mask_token_id")
+        if mask_token_id is None:
+            raise CheckpointError("the drafter config has no 'dflash_config.mask_token_id'")
+        num_target_layers = getattr(config, "num_target_layers", None)
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            if num_target_layers is None:
+                raise CheckpointError(
+                    "the drafter config has neither 'dflash_config.target_layer_ids' nor "
+                    "'num_target_layers' to derive them from"
+                )
+            layer_ids = default_target_layer_ids(
+                int(num_target_layers), int(config.num_hidden_layers)
+            )
+        if not _is_int(block_size) or block_size < 2:
+            raise CheckpointError(f"block_size must be an integer >= 2, got {block_size!r}")
+        if not _is_int(mask_token_id) or mask_token_id < 0:
+            raise CheckpointError(
+                f"mask_token_id must be a non-negative integer, got {mask_token_id!r}"
+            )
+        if (
+            not isinstance(layer_ids, (list, tuple))
+            or not layer_ids
+            or not all(_is_int(i) and i >= 0 for i in layer_ids)
+        ):
+            raise CheckpointError(
+                f"target_layer_ids must be a non-empty list of layer indices, got {layer_ids!r}"
+            )
+        if num_target_layers is not None and not _is_int(num_target_layers):
+            raise CheckpointError(
+                f"num_target_layers must be an integer, got {num_target_layers!r}"
+            )
+        return cls(
+            block_size=int(block_size),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            num_target_layers=None if num_target_layers is None else int(num_target_layers),
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [b, heads, s, d] by the rotary angles ``cos``/``sin`` [b, s, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DFlashAttention(nn.Module):
+    """Attention with queries from the block and keys/values from ``[context ; block]``."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False  # read by transformers' attention functions
+        bias = config.attention_bias
+        q_out = config.num_attention_heads * self.head_dim
+        kv_out = config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``hidden_states`` [b, q, H] (block), ``context`` [b, c, H] (projected new features).
+
+        ``position_embeddings`` are ``cos, sin`` [b, c + q, d] for ``[context ; block]``.
+        """
+        b, q, _ = hidden_states.shape
+        c = context.shape[1]
+        cos, sin = position_embeddings
+        queries = self.q_proj(hidden_states).view(b, q, -1, self.head_dim)
+        queries = _apply_rotary(self.q_norm(queries).transpose(1, 2), cos[:, c:], sin[:, c:])
+        kv_input = torch.cat([context, hidden_states], dim=1)
+        keys = self.k_norm(self.k_proj(kv_input).view(b, c + q, -1, self.head_dim))
+        keys = _apply_rotary(keys.transpose(1, 2), cos, sin)
+        values = self.v_proj(kv_input).view(b, c + q, -1, self.head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            keys, values = past_key_values.update(keys, values, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, _ = attention(
+            self,
+            queries,
+            keys,
+            values,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            is_causal=False,
+        )
+        return self.o_proj(out.reshape(b, q, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm residual block: ``DFlashAttention`` then the SwiGLU MLP."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attended = self.self_attn(
+            self.input_layernorm(hidden_states),
+            context,
+            position_embeddings,
+            past_key_values,
+            attention_mask,
+        )
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """A DFlash drafter (see the module docstring for the architecture and checkpoint format).
+
+    Load a released checkpoint with ``DFlashDraftModel.from_pretrained(path_or_hub_id, dtype=...)``;
+    write one with ``save_pretrained(dir)`` (``config.json`` + ``model.safetensors`` with exactly
+    the released key names). :meth:`for_target` creates a randomly initialised drafter for a
+    target (tests, training from scratch).
+
+    Attributes:
+        settings: the validated :class:`DFlashSettings`.
+        block_size, mask_token_id, target_layer_ids: shortcuts into ``settings``.
+    """
+
+    config_class = Qwen3Config
+    base_model_prefix = ""
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        architectures = getattr(config, "architectures", None) or []
+        if architectures and DFLASH_ARCHITECTURE not in architectures:
+            raise CheckpointError(
+                f"the checkpoint is a {architectures} model, not a {DFLASH_ARCHITECTURE}; "
+                "only plain DFlash drafters are supported"
+            )
+        if getattr(config, "use_sliding_window", False) or getattr(config, "is_causal", False):
+            raise CheckpointError(
+                "this drafter uses sliding-window or causal attention, which plain DFlash drafters "
+                "do not; it is not supported"
+            )
+        self.settings = DFlashSettings.from_config(config)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        k = len(self.settings.target_layer_ids)
+        self.fc = nn.Linear(k * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.settings.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.settings.target_layer_ids
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One drafter pass; returns the final-normed hidden states of the block, [b, q, H].
+
+        Args:
+            noise_embedding: target embeddings of the block tokens, [b, q, H].
+            target_hidden: raw context features of the ``c`` tokens not yet in
+                ``past_key_values`` (possibly ``c = 0``), [b, c, k*H].
+            position_ids: positions of ``[context ; block]``, [b or 1, c + q].
+            past_key_values: the drafter's cache of earlier context keys/values (appended to:
+                afterwards it also holds this pass's context *and block* entries).
+            attention_mask: optional additive or boolean mask [b, 1, q, past + c + q] (for
+                training several blocks at once); ``None`` lets every block position see
+                everything, which is what decoding needs.
+        """
+        context = self.hidden_norm(self.fc(target_hidden))
+        position_embeddings = self.rotary_emb(noise_embedding, position_ids)
+        hidden_states = noise_embedding
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states, context, position_embeddings, past_key_values, attention_mask
+            )
+        return self.norm(hidden_states)
+
+    # ---- construction and loading -----------------------------------------------------------
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: PretrainedConfig,
+        *,
+        mask_token_id: int,
+        num_layers: int = 1,
+        block_size: int = 16,
+        target_layer_ids: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        **config_overrides: Any,
+    ) -> DFlashDraftModel:
+        """A randomly initialised drafter shaped for ``target_config`` (a causal-LM config).
+
+        Hidden size, heads, head size, MLP width, norm epsilon and rotary settings are copied from
+        the target; ``config_overrides`` replace any Qwen3Config field. ``target_layer_ids`` defaults
+        to :func:`default_target_layer_ids` with one id per drafter layer. The config records
+        ``block_size`` at top level, as the released "-b16" drafters do.
+        """
+        target = target_config.get_text_config()
+        n_target = int(target.num_hidden_layers)
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(n_target, num_layers)
+        head_dim = getattr(target, "head_dim", None) or (
+            target.hidden_size // target.num_attention_heads
+        )
+        fields: dict[str, Any] = {
+            "architectures": [DFLASH_ARCHITECTURE],
+            "hidden_size": target.hidden_size,
+            "intermediate_size": target.intermediate_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": target.num_attention_heads,
+            "num_key_value_heads": getattr(
+                target, "num_key_value_heads", target.num_attention_heads
+            ),
+            "head_dim": head_dim,
+            "hidden_act": getattr(target, "hidden_act", "silu"),
+            "rms_norm_eps": getattr(target, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": getattr(target, "max_position_embeddings", 32768),
+            "rope_parameters": getattr(target, "rope_parameters", None),
+            "vocab_size": target.vocab_size,
+            "tie_word_embeddings": False,
+            "block_size": int(block_size),
+            "num_target_layers": n_target,
+            "dflash_config": {
+                "mask_token_id": int(mask_token_id),
+                "target_layer_ids": [int(i) for i in target_layer_ids],
+            },
+        }
+        fields.update(config_overrides)
+        model = cls(Qwen3Config(**fields))
+        return model if dtype is None else model.to(dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any
+    ) -> Any:
+        """``PreTrainedModel.from_pretrained`` that refuses incomplete or mis-shaped checkpoints.
+
+        Raises :class:`CheckpointError` when the checkpoint cannot be read, when ``config.json``
+        lacks a DFlash field, or when a weight is missing (the message names it) or has the wrong
+        shape (unless ``ignore_mismatched_sizes=True``). Extra weights are ignored, as usual.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        allow_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
+        try:
+            # transformers raises a bare RuntimeError on shape mismatches; report them ourselves.
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path,
+                *args,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+                **kwargs,
+            )
+        except OSError as err:
+            raise CheckpointError(
+                f"cannot load a DFlash drafter from {str(pretrained_model_name_or_path)!r}: {err}"
+            ) from err
+        source = str(pretrained_model_name_or_path)
+        if info["missing_keys"]:
+            missing = ", ".join(sorted(info["missing_keys"]))
+            raise CheckpointError(f"the DFlash checkpoint {source!r} is missing weights: {missing}")
+        if info["mismatched_keys"] and not allow_mismatch:
+            details = "; ".join(
+                f"{key}: checkpoint {tuple(got)} vs config {tuple(want)}"
+                for key, got, want in sorted(info["mismatched_keys"])
+            )
+            raise CheckpointError(
+                f"the DFlash checkpoint {source!r} does not match its config.json ({details})"
+            )
+        return (model, info) if want_info else model
+
+
+# --------------------------------------------------------------------------------------------------
+# Fitting a drafter to a target, and proposing
+# --------------------------------------------------------------------------------------------------
+
+
+def check_drafter_fits_target(drafter: DFlashDraftModel, target_config: PretrainedConfig) -> None:
+    """Raise :class:`CheckpointError` unless ``drafter`` can draft for a target with this config.
+
+    Checks the hidden size (the drafter reads the target's embeddings and lm_head; with it, ``fc``
+    takes ``k * H_target`` features, as ``from_pretrained`` checked against the weights), that every
+    target layer id exists (and ``num_target_layers`` agrees, when the checkpoint records it), and
+    that the mask token is in the target's vocabulary.
+    """
+    target = target_config.get_text_config()
+    hidden, drafter_hidden = int(target.hidden_size), int(drafter.config.hidden_size)
+    if drafter_hidden != hidden:
+        raise CheckpointError(
+            f"the drafter's hidden size {drafter_hidden} differs from the target's {hidden}; "
+            "it was trained for another target"
+        )
+    ids = drafter.target_layer_ids
+    n_layers = int(target.num_hidden_layers)
+    expected_layers = drafter.settings.num_target_layers
+    if expected_layers is not None and expected_layers != n_layers:
+        raise CheckpointError(
+            f"the drafter was trained for a target with {expected_layers} layers; "
+            f"this target has {n_layers}"
+        )
+    if max(ids) >= n_layers:
+        raise CheckpointError(
+            f"the drafter reads target layers {list(ids)} but the target has only {n_layers} layers"
+        )
+    vocab = int(target.vocab_size)
+    if drafter.mask_token_id >= vocab:
+        raise CheckpointError(
+            f"the drafter's mask_token_id {drafter.mask_token_id} is outside the target's "
+            f"vocabulary of {vocab} tokens"
+        )
+
+
+class DFlashProposer:
+    """Runs the drafter once per decoding round (the proposer of DESIGN.md's round loop).
+
+    Protocol, for a target whose KV cache holds the ``start`` committed tokens ``x_0 .. x_{start-1}``
+    and a bonus token ``b`` (the target's choice after them, not yet in any cache):
+
+    1. ``propose(b, new_context_features)`` where ``new_context_features`` [1, t, k*H] are the
+       target's context features of the committed tokens the drafter has not seen yet, i.e. of
+       positions ``context_length .. start-1`` (so ``t = start - context_length``):
+
+       * after prefill: the features of the whole prompt (``TreeVerifier.prefill``), ``t = T``;
+       * after a verified round: the features of the bonus and the accepted nodes, exactly what
+         ``TreeVerifier.commit`` returns.
+
+       The drafter appends their keys/values (positions ``context_length .. start-1``) to its
+       cache and runs the block ``[b, MASK x (B-1)]`` at positions ``start .. start+B-1``. It
+       returns the draft logits of block positions ``1 .. B-1`` through the target's lm_head,
+       [B-1, V]: row ``i`` is the drafter's marginal ``q_{i+1}`` for position ``start + 1 + i``.
+       The block's keys/values are dropped again, so afterwards ``context_length == start``.
+    2. ``crop(length)`` cuts the cached context back to its first ``length`` tokens (to roll back,
+       or to restart drafting from an earlier committed length); the next ``propose`` must then
+       pass the features from position ``length`` on.
+    3. ``reset()`` forgets everything (a new prompt).
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, target_model: PreTrainedModel) -> None:
+        check_drafter_fits_target(drafter, target_model.config)
+        self.drafter = drafter
+        self.embed_tokens = target_model.get_input_embeddings()
+        self.lm_head = target_model.get_output_embeddings()
+        if self.embed_tokens is None or self.lm_head is None:
+            raise CheckpointError("the target model must have input embeddings and an lm_head")
+        self.reset()
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose features :meth:`propose` expects, in order."""
+        return self.drafter.target_layer_ids
+
+    @property
+    def context_length(self) -> int:
+        """How many committed tokens the drafter's cache holds."""
+        return self._context_length
+
+    def reset(self) -> None:
+        """Empty the drafter's cache (call before a new prompt)."""
+        self.cache = DynamicCache()  # context keys/values of every drafter layer
+        self._context_length = 0
+
+    def crop(self, context_length: int) -> None:
+        """Keep only the first ``context_length`` cached context tokens."""
+        if not _is_int(context_length) or not 0 <= context_length <= self._context_length:
+            raise InvalidInputError(
+                f"cannot crop the drafter's context of {self._context_length} tokens "
+                f"to {context_length!r}"
+            )
+        compact_cache(self.cache, context_length)
+        self._context_length = context_length
+
+    @torch.no_grad()
+    def propose(self, bonus_token: int, new_context_features: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B-1, V] for the ``B - 1`` positions after ``bonus_token`` (see class doc)."""
+        drafter = self.drafter
+        weight = drafter.fc.weight
+        features = new_context_features
+        if (
+            features.ndim != 3
+            or features.shape[0] != 1
+            or features.shape[2] != drafter.fc.in_features
+        ):
+            raise InvalidInputError(
+                f"new_context_features must have shape [1, t, {drafter.fc.in_features}], "
+                f"got {tuple(features.shape)}"
+            )
+        start = self._context_length + features.shape[1]
+        block = torch.full(
+            (1, self.block_size), drafter.mask_token_id, dtype=torch.long, device=weight.device
+        )
+        block[0, 0] = int(bonus_token)
+        positions = torch.arange(
+            self._context_length, start + self.block_size, device=weight.device
+        )
+        hidden = drafter(
+            noise_embedding=self.embed_tokens(block.to(self.embed_tokens.weight.device)).to(weight),
+            target_hidden=features.to(weight),
+            position_ids=positions.unsqueeze(0),
+            past_key_values=self.cache,
+        )
+        compact_cache(self.cache, start)  # drop the block's keys/values
+        self._context_length = start
+        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight))

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny float64 models saved to disk as a user would have them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import MASK_TOKEN_ID, qwen3_target, saved_drafter
+from tiny_tokenizer import tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory):
+    """(target_dir, draft_dir): a tiny Qwen3 target with tokenizer and a DFlash drafter in the
+    released checkpoint format, both float64."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    target = qwen3_target()
+    tokenizer = tiny_tokenizer(MASK_TOKEN_ID)
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    saved_drafter(target, root / "draft")
+    return root / "target", root / "draft"
+
+
+# The tiny models gain nothing from intra-op threads, and two test processes (or CI's 2 cores)
+# oversubscribe badly with them.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,518 @@
+"""Tests of the model layer: DFlash checkpoints, tree verification, cache compaction, proposing.
+
+Every exactness test compares against plain sequential transformers forwards in float64. SDPA
+matches to ~1e-15. transformers' eager attention computes its softmax in float32 even for float64
+inputs (``eager_attention_forward``), so eager results agree only to float32 precision; a wrong
+mask, position or cache entry changes logits by O(0.1), far above either tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from caddtree.errors import CheckpointError, InvalidInputError
+from caddtree.models import (
+    DFlashDraftModel,
+    DFlashProposer,
+    TreeVerifier,
+    default_target_layer_ids,
+    extract_context_features,
+    tree_attention_mask,
+)
+from caddtree.tree import DraftTree, build_chain, build_ddtree
+from tiny_models import (
+    FEATURE_LAYER_IDS,
+    HIDDEN,
+    MASK_TOKEN_ID,
+    MAX_POSITIONS,
+    VOCAB,
+    llama_target,
+    new_drafter,
+    qwen3_target,
+    saved_drafter,
+)
+
+TOL = {"sdpa": 1e-10, "eager": 1e-5}
+TARGETS = {"qwen3": qwen3_target, "llama": llama_target}
+PROMPT_LENGTH = 9
+
+
+@pytest.fixture(scope="module", params=[(k, a) for k in TARGETS for a in TOL], ids="-".join)
+def target(request):
+    kind, attn = request.param
+    return TARGETS[kind](attn), attn
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return qwen3_target("sdpa")
+
+
+@pytest.fixture(scope="module")
+def saved(qwen3, tmp_path_factory):
+    """(original drafter, loaded drafter, checkpoint dir) for the Qwen3 target."""
+    directory = tmp_path_factory.mktemp("drafter")
+    original, loaded = saved_drafter(qwen3, directory)
+    return original, loaded, directory
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+
+def prompt_ids(seed: int = 0, length: int = PROMPT_LENGTH) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB - 1, length).tolist()
+
+
+def random_tree(seed: int, depth: int = 5, budget: int = 14) -> DraftTree:
+    """A DDTree over logits with two strong candidates per position: deep and branching."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(depth, VOCAB))
+    for row in logits:
+        row[rng.choice(VOCAB, 2, replace=False)] += 5.0
+    tree = build_ddtree(logits, budget)
+    assert tree.max_depth >= 3 and len(set(tree.parents.tolist())) < len(tree)  # deep, branching
+    return tree
+
+
+def path_tokens(tree: DraftTree, index: int) -> list[int]:
+    """Tokens of the nodes on the path to ``index`` in ``[bonus] + nodes`` (bonus excluded)."""
+    return [] if index == 0 else [int(tree.token_ids[j]) for j in tree.path(index - 1)]
+
+
+def accepted_path(tree: DraftTree, index: int) -> list[int]:
+    """``[0] + path`` in ``[bonus] + nodes`` indexing, as ``TreeVerifier.commit`` takes it."""
+    return [0] + ([] if index == 0 else [j + 1 for j in tree.path(index - 1)])
+
+
+def sequential(model, ids: list[int]):
+    """Plain forward over ``ids`` from an empty cache: logits, hidden states and the cache."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=True, output_hidden_states=True)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=0)
+
+
+# ---- (a) released checkpoint format ---------------------------------------------------------------
+
+RELEASED_LAYER_KEYS = [
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+]
+
+
+def test_save_writes_the_released_layout(saved):
+    _, _, directory = saved
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["model_type"] == "qwen3"
+    assert config["block_size"] == 6
+    assert config["num_target_layers"] == 4
+    assert config["dflash_config"] == {
+        "mask_token_id": MASK_TOKEN_ID,
+        "target_layer_ids": list(FEATURE_LAYER_IDS),
+    }
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        fc_shape = tuple(f.get_slice("fc.weight").get_shape())
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{name}" for i in range(2) for name in RELEASED_LAYER_KEYS
+    }
+    assert keys == expected  # in particular no embed_tokens and no lm_head
+    assert fc_shape == (HIDDEN, len(FEATURE_LAYER_IDS) * HIDDEN)
+
+
+def test_loaded_drafter_gives_identical_outputs(qwen3, saved):
+    original, loaded, _ = saved
+    assert loaded.dtype == torch.float64
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+    features = torch.randn(1, 5, loaded.fc.in_features, dtype=torch.float64)
+    a = DFlashProposer(original, qwen3).propose(3, features)
+    b = DFlashProposer(loaded, qwen3).propose(3, features)
+    assert a.shape == (5, VOCAB)
+    assert torch.equal(a, b)
+
+
+def _rewrite_config(directory: Path, edit) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+def _copy_checkpoint(source: Path, destination: Path) -> Path:
+    destination.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (destination / name).write_bytes((source / name).read_bytes())
+    return destination
+
+
+def test_block_size_inside_dflash_config_loads(qwen3, saved, tmp_path):
+    original, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "nested")
+
+    def move_block_size(config):
+        config["dflash_config"]["block_size"] = config.pop("block_size")
+
+    _rewrite_config(copy, move_block_size)
+    nested = DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+    assert nested.block_size == original.block_size == 6
+    features = torch.randn(1, 4, nested.fc.in_features, dtype=torch.float64)
+    assert torch.equal(
+        DFlashProposer(nested, qwen3).propose(1, features),
+        DFlashProposer(original, qwen3).propose(1, features),
+    )
+
+
+def test_default_target_layer_ids_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # e.g. Qwen3-8B, 5 draft layers
+    assert default_target_layer_ids(36, 1) == [18]  # one layer: the middle one
+    ids = default_target_layer_ids(40, 4)
+    assert ids[0] == 1 and ids[-1] == 37 and ids == sorted(ids)
+    with pytest.raises(InvalidInputError):
+        default_target_layer_ids(0, 1)
+
+
+def test_missing_target_layer_ids_use_the_default_rule(saved, tmp_path):
+    _, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "no_ids")
+    _rewrite_config(copy, lambda c: c["dflash_config"].pop("target_layer_ids"))
+    drafter = DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+    # two drafter layers over a 4-layer target: spread from 1 to 4 - 3 = 1
+    assert drafter.target_layer_ids == tuple(default_target_layer_ids(4, 2)) == (1, 1)
+
+
+# ---- (b) tree attention is exact ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_logits_equal_sequential_logits(target, seed):
+    model, attn = target
+    verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
+    prompt = prompt_ids(seed)
+    verifier.prefill(prompt)
+    tree, bonus = random_tree(seed), 7
+    logits, features = verifier.verify(bonus, tree)
+    assert logits.shape == (len(tree) + 1, VOCAB)
+    assert features.shape == (len(tree) + 1, len(FEATURE_LAYER_IDS) * HIDDEN)
+    for i in range(len(tree) + 1):
+        reference = sequential(model, prompt + [bonus] + path_tokens(tree, i))
+        assert_close(logits[i], reference.logits[0, -1], TOL[attn])
+
+
+def test_empty_tree_verifies_the_bonus_alone(target):
+    model, attn = target
+    verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
+    prompt = prompt_ids(3)
+    prefill_logits, _ = verifier.prefill(prompt)
+    assert_close(prefill_logits, sequential(model, prompt).logits[0, -1], TOL[attn])
+    logits, _ = verifier.verify(11, DraftTree.empty())
+    assert logits.shape == (1, VOCAB)
+    assert_close(logits[0], sequential(model, prompt + [11]).logits[0, -1], TOL[attn])
+    verifier.commit([0])
+    assert verifier.context_length == PROMPT_LENGTH + 1
+
+
+def test_tree_attention_mask_values():
+    tree = DraftTree(
+        token_ids=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2], log_probs=[-1.0, -2.0, -3.0]
+    )
+    mask = tree_attention_mask(tree, past_length=3, dtype=torch.float32, device="cpu")
+    low = torch.finfo(torch.float32).min
+    assert mask.shape == (1, 1, 4, 7) and mask.dtype == torch.float32
+    assert (mask[0, 0, :, :3] == 0).all()  # the committed cache is visible to every token
+    visible = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool
+    )  # bonus, node 0, node 1 (sibling of 0), node 2 (child of 0)
+    assert torch.equal(mask[0, 0, :, 3:], torch.where(visible, 0.0, low))
+
+
+# ---- (c) compaction and (d) features are exact ----------------------------------------------------
+
+
+def _deepest_branch_node(tree: DraftTree) -> int:
+    """Index in ``[bonus] + nodes`` of a deepest node whose path is not the first nodes in order."""
+    candidates = [
+        i
+        for i in range(1, len(tree) + 1)
+        if accepted_path(tree, i) != list(range(tree.depths[i - 1] + 1))
+    ]
+    return max(candidates, key=lambda i: tree.depths[i - 1])
+
+
+@pytest.mark.parametrize("kind", ["branch", "first-nodes", "bonus-only"])
+def test_commit_compacts_the_cache_exactly(target, kind):
+    model, attn = target
+    tol = TOL[attn]
+    verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
+    prompt, bonus = prompt_ids(4), 5
+    _, prompt_features = verifier.prefill(prompt)
+    tree = random_tree(4)
+    verifier.verify(bonus, tree)
+    node = {"branch": _deepest_branch_node(tree), "first-nodes": 2, "bonus-only": 0}[kind]
+    accepted = accepted_path(tree, node)
+    if kind == "first-nodes":
+        assert accepted == [0, 1, 2]  # best-first: node 1 is node 0's top child
+    new_features = verifier.commit(accepted)
+
+    committed = prompt + [bonus] + path_tokens(tree, node)
+    reference = sequential(model, committed)
+    assert verifier.context_length == len(committed)
+    for ours, theirs in zip(verifier.cache.layers, reference.past_key_values.layers, strict=True):
+        assert ours.keys.shape == theirs.keys.shape
+        assert_close(ours.keys, theirs.keys, tol)
+        assert_close(ours.values, theirs.values, tol)
+
+    # (d) features of the prompt and of the committed path equal sequential hidden states
+    expected = extract_context_features(reference.hidden_states, FEATURE_LAYER_IDS)
+    assert_close(prompt_features, expected[:, : len(prompt)], tol)
+    assert new_features.shape == (1, len(accepted), len(FEATURE_LAYER_IDS) * HIDDEN)
+    assert_close(new_features, expected[:, len(prompt) :], tol)
+
+    # the next round continues from the compacted cache as if decoding had been sequential
+    next_tree, next_bonus = random_tree(5), 9
+    logits, _ = verifier.verify(next_bonus, next_tree)
+    for i in range(len(next_tree) + 1):
+        ids = committed + [next_bonus] + path_tokens(next_tree, i)
+        assert_close(logits[i], sequential(model, ids).logits[0, -1], tol)
+
+
+def test_commit_rejects_a_non_path(qwen3):
+    verifier = TreeVerifier(qwen3, FEATURE_LAYER_IDS)
+    verifier.prefill(prompt_ids())
+    tree = random_tree(0)
+    verifier.verify(1, tree)
+    sibling = int(np.flatnonzero(tree.parents == -1)[1]) + 1  # the second child of the root
+    with pytest.raises(InvalidInputError, match="not a path"):
+        verifier.commit([0, 1, sibling])
+    with pytest.raises(InvalidInputError, match="starts with 0"):
+        verifier.commit([1])
+    with pytest.raises(InvalidInputError, match="commit"):
+        verifier.verify(1, tree)  # the previous verification is still pending
+    verifier.commit([])  # discarding the round is allowed
+    assert verifier.context_length == PROMPT_LENGTH
+
+
+# ---- (e) the drafter's cache -----------------------------------------------------------------------
+
+
+def test_propose_after_crop_equals_proposing_from_scratch(qwen3, saved):
+    _, drafter, _ = saved
+    verifier = TreeVerifier(qwen3, drafter.target_layer_ids)
+    prompt = prompt_ids(6, 12)
+    _, features = verifier.prefill(prompt)  # features of 12 committed tokens
+
+    incremental = DFlashProposer(drafter, qwen3)
+    incremental.propose(3, features[:, :7])
+    incremental.propose(4, features[:, 7:10])
+    assert incremental.context_length == 10
+    incremental.crop(8)
+    assert incremental.context_length == 8
+    after_crop = incremental.propose(5, features[:, 8:12])
+
+    scratch = DFlashProposer(drafter, qwen3)
+    from_scratch = scratch.propose(5, features)
+    assert scratch.context_length == incremental.context_length == 12
+    assert_close(after_crop, from_scratch, 1e-12)
+    # and the drafter's cache holds context only: the block was dropped after each pass
+    assert all(layer.keys.shape[-2] == 12 for layer in incremental.cache.layers)
+
+
+def test_block_attention_is_bidirectional(qwen3, saved):
+    _, drafter, _ = saved
+    embed = qwen3.get_input_embeddings()
+    block = torch.tensor([[3, MASK_TOKEN_ID, MASK_TOKEN_ID, 17]])
+    context = torch.randn(1, 4, drafter.fc.in_features, dtype=torch.float64)
+    positions = torch.arange(8).unsqueeze(0)
+    with torch.no_grad():
+        base = drafter(embed(block), context, positions)
+        changed = drafter(embed(block.index_fill(1, torch.tensor([3]), 18)), context, positions)
+    # changing the last block token changes the first position's output: no causal mask
+    assert (base[0, 0] - changed[0, 0]).abs().max() > 1e-3
+
+
+def test_propose_protocol_shapes_and_positions(qwen3, saved):
+    _, drafter, _ = saved
+    proposer = DFlashProposer(drafter, qwen3)
+    features = torch.randn(1, 6, drafter.fc.in_features, dtype=torch.float64)
+    logits = proposer.propose(2, features)
+    assert logits.shape == (drafter.block_size - 1, VOCAB)
+    # the same pass by hand: block [bonus, MASK x (B-1)] at positions 6..11, after the context
+    block = torch.tensor([[2] + [MASK_TOKEN_ID] * (drafter.block_size - 1)])
+    with torch.no_grad():
+        hidden = drafter(qwen3.get_input_embeddings()(block), features, torch.arange(12)[None])
+        expected = qwen3.get_output_embeddings()(hidden[0, 1:])
+    assert_close(logits, expected, 1e-12)
+    with pytest.raises(InvalidInputError, match="new_context_features"):
+        proposer.propose(2, features[0])
+    with pytest.raises(InvalidInputError, match="crop"):
+        proposer.crop(7)
+
+
+# ---- (f) clear errors -------------------------------------------------------------------------------
+
+
+def test_hidden_size_mismatch_is_refused(saved):
+    _, drafter, _ = saved
+    wide = llama_target(hidden_size=48)
+    with pytest.raises(CheckpointError, match="hidden size 32 differs from the target's 48"):
+        DFlashProposer(drafter, wide)
+
+
+def test_vocabulary_without_the_mask_token_is_refused(saved):
+    _, drafter, _ = saved
+    small = llama_target(vocab_size=MASK_TOKEN_ID)
+    with pytest.raises(CheckpointError, match="mask_token_id 95 is outside"):
+        DFlashProposer(drafter, small)
+
+
+def test_target_with_other_layer_count_is_refused(saved):
+    _, drafter, _ = saved
+    with pytest.raises(CheckpointError, match="4 layers"):
+        DFlashProposer(drafter, llama_target(num_hidden_layers=3))
+
+
+def test_missing_weight_is_named(saved, tmp_path):
+    _, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "missing")
+    weights = load_file(copy / "model.safetensors")
+    del weights["layers.1.self_attn.k_norm.weight"]
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.1\.self_attn\.k_norm\.weight"):
+        DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+
+
+def test_fc_that_does_not_match_the_layer_ids_is_refused(saved, tmp_path):
+    _, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "three_ids")
+    _rewrite_config(copy, lambda c: c["dflash_config"].update(target_layer_ids=[0, 1, 2]))
+    with pytest.raises(CheckpointError, match=r"fc\.weight"):
+        DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.pop("block_size"), "block_size"),
+        (lambda c: c.pop("dflash_config"), "dflash_config"),
+        (lambda c: c.update(architectures=["DFlash2DraftModel"]), "DFlash2DraftModel"),
+    ],
+    ids=["mask_token_id", "block_size", "dflash_config", "architecture"],
+)
+def test_config_without_dflash_fields_is_refused(saved, tmp_path, edit, message):
+    _, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "config")
+    _rewrite_config(copy, edit)
+    with pytest.raises(CheckpointError, match=message):
+        DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+
+
+def test_missing_checkpoint_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot load"):
+        DFlashDraftModel.from_pretrained(tmp_path / "nothing-here", local_files_only=True)
+
+
+def test_prompt_longer_than_the_position_limit_is_refused(qwen3):
+    verifier = TreeVerifier(qwen3, FEATURE_LAYER_IDS)
+    with pytest.raises(InvalidInputError, match="max_position_embeddings"):
+        verifier.prefill(list(range(MAX_POSITIONS + 1)))
+    verifier.prefill([1] * (MAX_POSITIONS - 2))
+    chain = build_chain(np.eye(3, VOCAB))  # a depth-3 chain would reach position 64
+    with pytest.raises(InvalidInputError, match="max_position_embeddings"):
+        verifier.verify(1, chain)
+
+
+def test_verifier_refuses_bad_setups(qwen3):
+    with pytest.raises(InvalidInputError, match="feature layer ids"):
+        TreeVerifier(qwen3, [4])
+    model = qwen3_target("sdpa")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(InvalidInputError, match="sdpa"):
+        TreeVerifier(model, FEATURE_LAYER_IDS)
+
+
+def test_for_target_builds_a_fitting_drafter():
+    llama = llama_target()
+    drafter = new_drafter(llama, num_layers=1, target_layer_ids=None)
+    assert drafter.target_layer_ids == (2,)  # one layer of a 4-layer target: the middle one
+    assert drafter.config.hidden_size == HIDDEN and drafter.mask_token_id == MASK_TOKEN_ID
+    logits = DFlashProposer(drafter, llama).propose(
+        0, torch.randn(1, 3, HIDDEN, dtype=torch.float64)
+    )
+    assert logits.shape == (drafter.block_size - 1, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_drafter_runs_with_eager_and_sdpa_attention(qwen3, saved):
+    _, _, directory = saved
+    features = torch.randn(1, 5, len(FEATURE_LAYER_IDS) * HIDDEN, dtype=torch.float64)
+    logits = {}
+    for attn in TOL:
+        drafter = DFlashDraftModel.from_pretrained(
+            directory, dtype=torch.float64, attn_implementation=attn
+        )
+        assert drafter.config._attn_implementation == attn
+        logits[attn] = DFlashProposer(drafter, qwen3).propose(4, features)
+    assert_close(logits["eager"], logits["sdpa"], TOL["eager"])
+
+
+def _greedy_walk(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Follow the target's argmax down the tree: (accepted indices, next bonus token)."""
+    choice = logits.argmax(-1).tolist()
+    accepted, node = [0], -1
+    while (child := tree.child_with_token(node, choice[accepted[-1]])) >= 0:
+        accepted.append(child + 1)
+        node = child
+    return accepted, choice[accepted[-1]]
+
+
+def test_rounds_keep_the_drafter_in_step_with_the_target(qwen3, saved):
+    """Four rounds of the DESIGN.md loop; the draft is nudged towards the target's greedy text
+    for two positions so that rounds accept nodes (a random drafter alone would accept none)."""
+    _, drafter, _ = saved
+    prompt = prompt_ids(7)
+    greedy = list(prompt)
+    for _ in range(16):
+        greedy.append(int(sequential(qwen3, greedy).logits[0, -1].argmax()))
+
+    verifier = TreeVerifier(qwen3, drafter.target_layer_ids)
+    proposer = DFlashProposer(drafter, qwen3)
+    logits, features = verifier.prefill(prompt)
+    committed, bonus = list(prompt), int(logits.argmax())
+    for _ in range(4):
+        draft = proposer.propose(bonus, features)
+        assert proposer.context_length == verifier.context_length == len(committed)
+        hint = greedy[len(committed) + 1 : len(committed) + 3]
+        draft[torch.arange(len(hint)), hint] += 20.0
+        tree = build_ddtree(draft, 8)
+        accepted, next_bonus = _greedy_walk(tree, verifier.verify(bonus, tree)[0])
+        assert len(accepted) >= 3
+        features = verifier.commit(accepted)
+        committed += [bonus] + [int(tree.token_ids[i - 1]) for i in accepted[1:]]
+        bonus = next_bonus
+
+    assert committed + [bonus] == greedy[: len(committed) + 1]  # lossless
+    # drafting after the rounds equals drafting from scratch on the committed context
+    reference = sequential(qwen3, committed).hidden_states
+    fresh = DFlashProposer(drafter, qwen3).propose(
+        bonus, extract_context_features(reference, drafter.target_layer_ids)
+    )
+    assert_close(proposer.propose(bonus, features), fresh, 1e-10)
