@@ -1,0 +1,182 @@
+"""Drafter training on a tiny target: the loss goes down, checkpoints are in the released format
+and decode losslessly, and a resumed run is identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from caddtree.decoding import decode, make_policy
+from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
+from caddtree.train import (
+    TrainConfig,
+    TrainingData,
+    build_training_batch,
+    generate_responses,
+    prepare_data,
+    train_drafter,
+)
+from tiny_models import MASK_TOKEN_ID, qwen3_target
+from tiny_tokenizer import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def target():
+    return qwen3_target()
+
+
+@pytest.fixture(scope="module")
+def data(target):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(
+            2, 90, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(40)
+    ]
+    return generate_responses(target, prompts, max_new_tokens=24, batch_size=8, progress=False)
+
+
+def config(**overrides) -> TrainConfig:
+    base = dict(
+        block_size=6,
+        num_layers=1,
+        num_feature_layers=2,
+        mask_token_id=MASK_TOKEN_ID,
+        steps=60,
+        anchors_per_sample=8,
+        samples_per_step=2,
+        warmup_steps=5,
+        learning_rate=3e-3,
+        eval_every=10,
+        save_every=30,
+        eval_fraction=0.2,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def test_generate_responses_is_greedy_and_keeps_order(target, data):
+    assert len(data.sequences) == 40
+    for seq, plen in list(zip(data.sequences, data.prompt_lengths))[:5]:
+        prompt = seq[:plen]
+        ref = target.generate(prompt[None], do_sample=False, max_new_tokens=24, pad_token_id=0)[0]
+        assert torch.equal(ref, seq)
+
+
+def test_training_batch_masks_blocks():
+    tokens = torch.arange(10, 30)
+    anchors = torch.tensor([5, 12, 17])
+    batch = build_training_batch(tokens, 4, anchors, 4, 99, torch.float32)
+    visible = batch["attention_mask"][0, 0] == 0
+    T, B = 20, 4
+    for j, a in enumerate(anchors.tolist()):
+        rows = visible[j * B : (j + 1) * B]
+        # context strictly before the anchor, nothing at or after it
+        assert rows[:, :a].all() and not rows[:, a:T].any()
+        # its own block, bidirectionally, and no other block
+        own = torch.zeros(3 * B, dtype=torch.bool)
+        own[j * B : (j + 1) * B] = True
+        assert torch.equal(rows[:, T:], own.expand(B, -1))
+    assert batch["block_tokens"].view(3, B)[:, 0].tolist() == tokens[anchors].tolist()
+    assert (batch["block_tokens"].view(3, B)[:, 1:] == 99).all()
+    assert batch["position_ids"][0, T:].view(3, B)[:, 0].tolist() == anchors.tolist()
+    # labels: the next B-1 tokens, -100 past the end
+    assert batch["labels"][0].tolist() == tokens[6:9].tolist()
+    assert batch["labels"][2].tolist() == [tokens[18].item(), tokens[19].item(), -100]
+
+
+def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path):
+    train_drafter(
+        target, data, tmp_path, config(steps=100, save_every=50), resume=False, progress=False
+    )
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 100
+    first = sum(e["loss"] for e in log[:10]) / 10
+    last = sum(e["loss"] for e in log[-10:]) / 10
+    assert last < 0.85 * first, (first, last)
+    evals = [e["eval_loss"] for e in log if "eval_loss" in e]
+    assert len(evals) == 10 and evals[-1] < evals[0]  # held-out loss falls too
+
+    ckpt = tmp_path / "checkpoint"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 6
+    keys = set(load_file(ckpt / "model.safetensors"))
+    assert not any("embed" in k or "lm_head" in k for k in keys) and "fc.weight" in keys
+
+    drafter = DFlashDraftModel.from_pretrained(ckpt, dtype=torch.float64).eval()
+    prompt = data.sequences[0][: data.prompt_lengths[0]].tolist()
+    verifier = TreeVerifier(target, drafter.target_layer_ids)
+    ar = decode(verifier, prompt, make_policy("ar"), max_new_tokens=20)
+    dd = decode(
+        verifier,
+        prompt,
+        make_policy("ddtree", budget=8),
+        proposer=DFlashProposer(drafter, target),
+        max_new_tokens=20,
+    )
+    assert dd.token_ids == ar.token_ids
+    assert dd.stats.tau > 1.0  # the trained drafter gets drafts accepted
+
+
+def test_resume_is_identical_to_an_uninterrupted_run(target, data, tmp_path):
+    cfg = config(steps=12, save_every=5, eval_every=6)
+    train_drafter(target, data, tmp_path / "straight", cfg, resume=False, progress=False)
+    # interrupted after 7 steps (between two checkpoints, so the end-of-call save is used), resumed
+    train_drafter(
+        target,
+        data,
+        tmp_path / "resumed",
+        config(steps=12, save_every=5, eval_every=6),
+        progress=False,
+        stop_after=7,
+    )
+    state = json.loads((tmp_path / "resumed" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 7
+    train_drafter(
+        target,
+        data,
+        tmp_path / "resumed",
+        config(steps=12, save_every=5, eval_every=6),
+        progress=False,
+    )
+    a = load_file(tmp_path / "straight" / "checkpoint" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    log_a = (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()
+    log_b = (tmp_path / "resumed" / "train_log.jsonl").read_text().splitlines()
+    strip = [{k: v for k, v in json.loads(x).items() if k != "step_s"} for x in log_a]
+    assert strip == [{k: v for k, v in json.loads(x).items() if k != "step_s"} for x in log_b]
+    assert len(strip) == 12
+
+
+def test_resume_with_other_settings_is_refused(target, data, tmp_path):
+    train_drafter(
+        target, data, tmp_path, config(steps=2, save_every=1), resume=False, progress=False
+    )
+    with pytest.raises(ValueError, match="other settings"):
+        train_drafter(target, data, tmp_path, config(steps=4, learning_rate=1e-4), progress=False)
+
+
+def test_prepare_data_resumes_and_checks_fingerprint(target, tmp_path):
+    tok = tiny_tokenizer(MASK_TOKEN_ID)
+    prompts = ["hello", "what is 2 + 2?", "tell me a story", "abc", "zz"]
+    path = tmp_path / "data.safetensors"
+    partial = prepare_data(
+        target, tok, prompts[:2] + prompts[2:], path, max_new_tokens=6, chunk_size=2, progress=False
+    )
+    full = TrainingData.load(path)
+    assert len(full.sequences) == 5 and all(
+        torch.equal(a, b) for a, b in zip(full.sequences, partial.sequences)
+    )
+    # simulate an interruption after the first chunk, then resume
+    TrainingData(full.sequences[:2], full.prompt_lengths[:2], full.meta).save(path)
+    again = prepare_data(target, tok, prompts, path, max_new_tokens=6, chunk_size=2, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(again.sequences, full.sequences))
+    with pytest.raises(ValueError, match="other prompts"):
+        prepare_data(target, tok, prompts[::-1], path, max_new_tokens=6, progress=False)
