@@ -31,7 +31,7 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from caddtree import ConvexCostModel  # noqa: E402
+from caddtree import ConvexCostModel, load_cost_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,6 @@ def failing_generate(capsys, dirs, *args) -> str:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--method", "caddtree"], "needs --cost-model"),
         (["--method", "dflash", "--budget", "4"], "--budget only applies"),
         (["--method", "ar", "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
         (["--method", "ar", "--max-new-tokens", "500"], "lower max_new_tokens"),
@@ -149,11 +148,39 @@ def test_generate_errors_are_one_line(capsys, tiny_pair_dirs, extra, message):
     assert message in failing_generate(capsys, tiny_pair_dirs, *args)
 
 
+def test_caddtree_without_cost_model_profiles_once_and_caches(
+    capsys, tiny_pair_dirs, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("CADDTREE_CACHE", str(tmp_path))
+    target, draft = tiny_pair_dirs
+    argv = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "float64"]
+    argv += ["--json", "--max-new-tokens", "20", "--method", "caddtree", "--compare-ar", "hi"]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "profiling it once" in first.err and "cost model saved" in first.err
+    files = list((tmp_path / "cost-models").glob("cost-*.json"))
+    assert len(files) == 1
+    model = load_cost_model(files[0])
+    assert model.metadata["node_counts"][-1] >= 64 and len(model.context_lengths) >= 2
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    assert "profiled earlier" in second.err and "profiling it once" not in second.err
+    a, b = json.loads(first.out), json.loads(second.out)
+    assert a["token_ids"] == b["token_ids"] == b["ar"]["token_ids"]
+    assert b["speedup_over_ar"] == b["ar"]["stats"]["ms_per_token"] / b["stats"]["ms_per_token"]
+
+
 def test_generate_with_a_broken_cost_model_file(capsys, tiny_pair_dirs, tmp_path):
     bad = tmp_path / "cost.json"
     bad.write_text("{ this is not json")
     args = ["--method", "caddtree", "--cost-model", str(bad), "hi"]
     assert "not valid JSON" in failing_generate(capsys, tiny_pair_dirs, *args)
+
+
+def test_generate_needs_a_drafter_for_a_custom_target(capsys, tiny_pair_dirs):
+    target, _ = tiny_pair_dirs
+    assert main(["generate", "--target", str(target), "--method", "dflash", "hi"]) == 2
+    assert "needs --draft" in capsys.readouterr().err
 
 
 def test_generate_with_a_missing_model(capsys, tmp_path):

@@ -91,13 +91,19 @@ def test_training_batch_masks_blocks():
 
 def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path):
     train_drafter(
-        target, data, tmp_path, config(steps=100, save_every=50), resume=False, progress=False
+        target,
+        data,
+        tmp_path,
+        config(steps=300, save_every=150, eval_every=30),
+        resume=False,
+        progress=False,
     )
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
-    assert len(log) == 100
+    assert len(log) == 300
     first = sum(e["loss"] for e in log[:10]) / 10
     last = sum(e["loss"] for e in log[-10:]) / 10
-    assert last < 0.85 * first, (first, last)
+    # from about ln(96) = 4.56 nats (a uniform guess) to well below it
+    assert first > 4.3 and last < 0.9 * first, (first, last)
     evals = [e["eval_loss"] for e in log if "eval_loss" in e]
     assert len(evals) == 10 and evals[-1] < evals[0]  # held-out loss falls too
 

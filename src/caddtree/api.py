@@ -22,7 +22,7 @@ from .errors import CheckpointError, InvalidInputError
 from .models.dflash import DFlashDraftModel, DFlashProposer
 from .models.target import TreeVerifier
 
-__all__ = ["GenerationResult", "SpeculativeGenerator", "resolve_dtype"]
+__all__ = ["GenerationResult", "SpeculativeGenerator", "machine_description", "resolve_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -63,6 +63,36 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("device 'cuda' was requested but torch sees no CUDA device")
     return dev
+
+
+def machine_description(device: torch.device) -> str:
+    """What the timings depend on: the accelerator, or the CPU model and thread count."""
+    import platform
+
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    return f"cpu:{cpu}:{os.cpu_count()} cores:{torch.get_num_threads()} threads"
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """A cheap fingerprint of a model's weights (shapes and a few values of each tensor)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(flat[:: max(1, flat.numel() // 64)].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -144,7 +174,77 @@ class SpeculativeGenerator:
         drafter = None
         if draft is not None:
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=torch_dtype).to(dev)
-        return cls(model.to(dev), tokenizer, drafter, cost_model=cost_model)
+        gen = cls(model.to(dev), tokenizer, drafter, cost_model=cost_model)
+        gen.source = {"target": str(target), "draft": None if draft is None else str(draft)}
+        return gen
+
+    # ---- cost model -----------------------------------------------------------------------------
+
+    def profile(self, **kwargs: Any) -> CostModel:
+        """Measure this target and drafter on this machine and fit a cost model; keyword arguments
+        go to :func:`caddtree.profiling.profile_cost_model` (grid, trials, progress)."""
+        from .profiling import profile_cost_model
+
+        if self.proposer is None:
+            raise InvalidInputError("profiling the drafting cost needs a drafter")
+        meta = {
+            "machine": machine_description(self.verifier.device),
+            "dtype": str(self.verifier.dtype),
+        }
+        meta.update(getattr(self, "source", {}))
+        return profile_cost_model(self.verifier, self.proposer, metadata=meta, **kwargs)
+
+    def _default_profile_lengths(self) -> list[int]:
+        """Context lengths for the automatic profile: up to 1024, within the model's window."""
+        limit = self.verifier.max_positions or 10**9
+        room = limit - self.proposer.block_size - 2
+        lengths = [x for x in (0, 256, 512, 1024) if x <= room]
+        if len(lengths) < 2:
+            lengths = sorted({0, room // 2, room})
+        return lengths
+
+    def cached_cost_model(
+        self, cache_dir: str | os.PathLike[str] | None = None, **kwargs: Any
+    ) -> CostModel:
+        """A cost model for this target, drafter, dtype and machine: read from the cache, or
+        profiled once (with a progress bar) and cached. Says on stderr which of the two happened."""
+        import hashlib
+        import json
+        import sys
+        from pathlib import Path
+
+        from .defaults import cache_root
+
+        ident = {
+            "source": getattr(self, "source", {}),
+            "drafter": _weights_digest(self.drafter) if self.drafter is not None else None,
+            "target_config": self.target.config.get_text_config()
+            .to_dict()
+            .get("_name_or_path", ""),
+            "dtype": str(self.verifier.dtype),
+            "machine": machine_description(self.verifier.device),
+            "grid": {k: str(v) for k, v in sorted(kwargs.items())},
+        }
+        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        path = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"
+        path = path / f"cost-{digest}.json"
+        if path.is_file():
+            print(
+                f"caddtree: using the cost model profiled earlier on this machine: {path}",
+                file=sys.stderr,
+            )
+            return load_cost_model(path)
+        print(
+            "caddtree: no cost model for this model pair and machine yet; profiling it once "
+            "(about a minute), then caching it",
+            file=sys.stderr,
+        )
+        if "context_lengths" not in kwargs:
+            kwargs["context_lengths"] = self._default_profile_lengths()
+        model = self.profile(**{"trials": 3, "warmup": 1, **kwargs})
+        model.save(path)
+        print(f"caddtree: cost model saved to {path}\n{model.fit_report()}", file=sys.stderr)
+        return model
 
     @staticmethod
     def _cost_model(value: CostModel | str | os.PathLike[str] | None) -> CostModel | None:

@@ -76,13 +76,10 @@ def _generate(args: argparse.Namespace) -> int:
     from .api import SpeculativeGenerator, resolve_dtype
     from .decoding import Sampler
 
-    if args.method != "ar" and args.draft is None:
+    if args.target is None and args.draft is not None:
+        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
+    if args.target is not None and args.method != "ar" and args.draft is None:
         raise InvalidInputError(f"--method {args.method} needs --draft (a DFlash checkpoint)")
-    if args.method == "caddtree" and args.cost_model is None:
-        raise InvalidInputError(
-            "--method caddtree needs --cost-model FILE (a JSON file from ConvexCostModel.fit(...)"
-            ".save() or a published .pt cost model)"
-        )
     if args.budget is not None and args.method != "ddtree":
         raise InvalidInputError("--budget only applies to --method ddtree")
     if args.method == "ddtree" and args.budget is None:
@@ -94,13 +91,23 @@ def _generate(args: argparse.Namespace) -> int:
         )
     Sampler(args.temperature, args.top_p)
     resolve_dtype(args.dtype, torch.device("cpu"))
+    if args.target is None:  # the built-in pair: SmolLM2-135M-Instruct and its caddtree drafter
+        from .defaults import default_drafter_dir, default_target_dir
+
+        args.draft = default_drafter_dir()
+        args.target = default_target_dir()
+        if args.dtype == "auto":  # the built-in drafter was trained on bfloat16 features
+            args.dtype = "bfloat16"
     gen = SpeculativeGenerator.from_pretrained(
         args.target,
-        args.draft if args.method != "ar" else None,
+        args.draft if args.method != "ar" or args.compare_ar else None,
         dtype=args.dtype,
         device=args.device,
         cost_model=args.cost_model,
     )
+    if args.method == "caddtree" and gen.cost_model is None:
+        # no silent fallback: profile this machine once (cached), and say so
+        gen.cost_model = gen.cached_cost_model()
     streamed = []
 
     def stream(_stats, tokens):
@@ -120,20 +127,159 @@ def _generate(args: argparse.Namespace) -> int:
         chat=False if args.raw else None,
         callback=stream,
     )
+    baseline = None
+    if args.compare_ar and args.method != "ar":
+        baseline = gen.generate(
+            args.prompt,
+            method="ar",
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            chat=False if args.raw else None,
+        )
     if args.json:
-        print(json.dumps(result.to_dict(per_round=args.per_round)))
+        out = result.to_dict(per_round=args.per_round)
+        if baseline is not None:
+            out["ar"] = baseline.to_dict()
+            out["speedup_over_ar"] = baseline.stats.ms_per_token / result.stats.ms_per_token
+        print(json.dumps(out))
         return 0
     if args.no_stream:
         print(result.text)
     else:
         print()
-    s = result.stats
-    budget = "" if s.method == "ar" else f"  budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
+    for res in (result, baseline):
+        if res is not None:
+            s = res.stats
+            budget = (
+                ""
+                if s.method == "ar"
+                else f"  mean budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
+            )
+            print(
+                f"[{s.method}] {s.new_tokens} tokens in {s.rounds} rounds  tau {s.tau:.2f}{budget}  "
+                f"{s.ms_per_token:.1f} ms/token  ({s.stop_reason})",
+                file=sys.stderr,
+            )
+    if baseline is not None:
+        same = "identical output" if baseline.token_ids == result.token_ids else "outputs differ"
+        if args.temperature > 0:
+            same = "sampled: outputs may differ"
+        speedup = baseline.stats.ms_per_token / result.stats.ms_per_token
+        print(
+            f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _train_drafter(args: argparse.Namespace) -> int:
+    """Train a DFlash drafter for a target: regenerate responses with the frozen target, cache its
+    context features, then train with anchor blocks. Resumes from OUTPUT if it holds a run."""
+    import json
+    import random
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import data as prompt_data
+    from .api import resolve_dtype
+    from .train import TrainConfig, prepare_data, train_drafter
+
+    config = TrainConfig(
+        block_size=args.block_size,
+        num_layers=args.num_layers,
+        num_feature_layers=args.feature_layers,
+        steps=args.steps,
+        anchors_per_sample=args.anchors,
+        samples_per_step=args.samples_per_step,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        seed=args.seed,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+    )
+    config.validate()
+    target_dir = args.target
+    if target_dir is None:
+        from .defaults import default_target_dir
+
+        target_dir = default_target_dir()
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    out = __import__("pathlib").Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    rng = random.Random(args.seed)
+    sources = {
+        "sharegpt": lambda: prompt_data.sharegpt_prompts()[: args.sharegpt],
+        "stdlib": lambda: rng.sample(prompt_data.stdlib_code_prompts(), args.code),
+        "math": lambda: prompt_data.synthetic_math_prompts(args.math, seed=args.seed),
+    }
+    prompt_set = prompt_data.build_training_prompts(seed=args.seed, sources=sources)
     print(
-        f"[{s.method}] {s.new_tokens} tokens in {s.rounds} rounds  tau {s.tau:.2f}{budget}  "
-        f"{s.ms_per_token:.1f} ms/token  ({s.stop_reason})",
+        f"training prompts: {len(prompt_set.prompts)} {prompt_set.sources} "
+        f"(dropped {prompt_set.overlap} overlapping a benchmark, {prompt_set.duplicates} duplicates)",
         file=sys.stderr,
     )
+    target = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=dtype, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    stops = sorted(
+        {tokenizer.eos_token_id}
+        | set(
+            target.generation_config.eos_token_id
+            if isinstance(target.generation_config.eos_token_id, list)
+            else [target.generation_config.eos_token_id]
+        )
+        - {None}
+    )
+    timings = {}
+    t0 = time.perf_counter()
+    data = prepare_data(
+        target,
+        tokenizer,
+        prompt_set.prompts,
+        out / "data.safetensors",
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        stop_token_ids=stops,
+    )
+    timings["data_s"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    final = train_drafter(target, data, out, config)
+    timings["train_s"] = round(time.perf_counter() - t0, 1)
+    record = {
+        "command": "caddtree " + " ".join(sys.argv[1:]) if sys.argv else "",
+        "target": str(target_dir),
+        "dtype": str(dtype),
+        "prompts": {
+            "total": len(prompt_set.prompts),
+            **prompt_set.sources,
+            "dropped_overlap": prompt_set.overlap,
+            "dropped_duplicates": prompt_set.duplicates,
+        },
+        "tokens": int(sum(len(s) for s in data.sequences)),
+        "response_tokens": int(
+            sum(len(s) - p for s, p in zip(data.sequences, data.prompt_lengths))
+        ),
+        "config": config.__dict__,
+        "final": final,
+        "timings": timings,
+        "torch": torch.__version__,
+    }
+    (out / "run.json").write_text(json.dumps(record, indent=1))
+    if args.export:
+        from .models import DFlashDraftModel
+
+        drafter = DFlashDraftModel.from_pretrained(
+            out / "checkpoint", dtype=resolve_dtype(args.export_dtype, torch.device("cpu"))
+        )
+        drafter.save_pretrained(args.export)
+        print(f"exported the drafter to {args.export}", file=sys.stderr)
+    print(json.dumps(final))
     return 0
 
 
@@ -161,7 +307,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description=_generate.__doc__,
     )
     p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
-    p.add_argument("--target", required=True, help="target model: a local directory or hub id")
+    p.add_argument(
+        "--target", help="target model: a local directory or hub id (default: built-in SmolLM2)"
+    )
     p.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
     p.add_argument("--method", choices=METHODS, default="caddtree")
     p.add_argument("--budget", type=int, help="node budget for --method ddtree (default 64)")
@@ -169,7 +317,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-budget", type=int, default=1024, help="largest CaDDTree tree (default 1024)"
     )
     p.add_argument(
-        "--cost-model", help="cost-model file for --method caddtree (JSON or published .pt)"
+        "--cost-model",
+        help="cost-model file for --method caddtree (JSON or published .pt); default: profile "
+        "this machine once and cache the result",
+    )
+    p.add_argument(
+        "--compare-ar",
+        action="store_true",
+        help="also run plain AR decoding and print the speed-up",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -184,6 +339,38 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-round", action="store_true", help="with --json: include per-round stats")
     p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
     p.set_defaults(handler=_generate)
+
+    p = sub.add_parser(
+        "train-drafter",
+        help="train a DFlash drafter for a target (resumable)",
+        description=_train_drafter.__doc__,
+    )
+    p.add_argument("--target", help="target model directory or hub id (default: built-in SmolLM2)")
+    p.add_argument(
+        "--output", required=True, help="run directory (data, features, checkpoint, log)"
+    )
+    p.add_argument("--sharegpt", type=int, default=500, help="ShareGPT prompts to use (max 500)")
+    p.add_argument("--code", type=int, default=500, help="stdlib code prompts to use")
+    p.add_argument("--math", type=int, default=300, help="synthetic arithmetic word problems")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
+    p.add_argument("--batch-size", type=int, default=16, help="generation batch size")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype for data and features")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=1, help="drafter layers")
+    p.add_argument(
+        "--feature-layers", type=int, default=3, help="target layers feeding the drafter"
+    )
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sample per step")
+    p.add_argument("--samples-per-step", type=int, default=4)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export", help="also write the final drafter here (released format)")
+    p.add_argument("--export-dtype", default="bfloat16")
+    p.set_defaults(handler=_train_drafter)
     return parser
 
 

@@ -566,7 +566,7 @@ def _new_drafter(target: Any, data: TrainingData, config: TrainConfig) -> DFlash
     layer_ids = config.target_layer_ids or default_target_layer_ids(
         int(tcfg.num_hidden_layers), config.num_feature_layers
     )
-    return DFlashDraftModel.for_target(
+    drafter = DFlashDraftModel.for_target(
         tcfg,
         mask_token_id=mask_id,
         num_layers=config.num_layers,
@@ -574,6 +574,15 @@ def _new_drafter(target: Any, data: TrainingData, config: TrainConfig) -> DFlash
         target_layer_ids=layer_ids,
         dtype=torch.float32,
     )
+    # Start the drafter's output norm at a tenth of the target's final norm: a random drafter's
+    # hidden states at the full scale the target's lm_head expects give confidently wrong logits
+    # (a starting loss of ~70-100 nats on SmolLM2 instead of ~11); training grows it back.
+    final_norm = getattr(target.get_decoder(), "norm", None)
+    weight = getattr(final_norm, "weight", None)
+    if weight is not None and weight.shape == drafter.norm.weight.shape:
+        with torch.no_grad():
+            drafter.norm.weight.copy_(0.1 * weight.float())
+    return drafter
 
 
 def _split(data: TrainingData, config: TrainConfig) -> tuple[list[int], list[int]]:
