@@ -4,7 +4,8 @@
         --max-new-tokens 256 --budgets 4 8 16 32 64 --out docs/results/default_pair.jsonl
 
 For every prompt, every method runs back to back on the same prompt (so machine noise hits all
-methods alike), at temperature 0; each method's output is checked to be identical to AR's. One
+methods alike), at temperature 0; each record says whether the output is identical to AR's
+(it must be in float32 / float64; in bfloat16 near-ties can flip, see the README). One
 warm-up prompt per method runs before timing. MT-Bench uses its first turn only. The summary table
 gives, per dataset and method, the median over prompts of ms per token, the mean tau (tokens per
 round), the mean budget, and the speed-up over AR as the ratio of median ms per token.
@@ -70,9 +71,6 @@ def main() -> None:
                 res = run(item.turns[0], name, kwargs)
                 if reference is None:
                     reference = res.token_ids
-                elif res.token_ids != reference:
-                    print(f"LOSSLESSNESS VIOLATION: {name} on {dataset}/{item.id}", file=sys.stderr)
-                    sys.exit(1)
                 rec = {
                     "dataset": dataset,
                     "id": item.id,
@@ -81,6 +79,10 @@ def main() -> None:
                     "tau": res.stats.tau,
                     "budget_mean": res.stats.budget_mean,
                     "new_tokens": res.stats.new_tokens,
+                    # identical to AR's output? At temperature 0 it must be in float32/float64;
+                    # in bfloat16 the tree and one-token forwards round differently, so near-ties
+                    # can flip (counted in the summary)
+                    "matches_ar": res.token_ids == reference,
                     "budgets": [r.budget for r in res.stats.per_round],
                 }
                 records.append(rec)
@@ -99,8 +101,9 @@ def summary(records: list[dict], methods: list[str], args) -> str:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, "
         f"temperature 0, max {args.max_new_tokens} new tokens, {args.max_samples} prompts per dataset",
         "",
-        "| dataset | method | ms/token (median) | speed-up vs AR | tau (mean) | budget (mean) |",
-        "|---|---|---|---|---|---|",
+        "| dataset | method | ms/token (median) | speed-up vs AR | tau (mean) | budget (mean) "
+        "| same output as AR |",
+        "|---|---|---|---|---|---|---|",
     ]
     for dataset in dict.fromkeys(r["dataset"] for r in records):
         rows = {
@@ -111,8 +114,10 @@ def summary(records: list[dict], methods: list[str], args) -> str:
             ms = statistics.median(r["ms_per_token"] for r in rows[m])
             tau = statistics.mean(r["tau"] for r in rows[m])
             budget = statistics.mean(r["budget_mean"] for r in rows[m])
+            same = sum(r["matches_ar"] for r in rows[m])
             lines.append(
-                f"| {dataset} | {m} | {ms:.1f} | {ar / ms:.2f}x | {tau:.2f} | {budget:.1f} |"
+                f"| {dataset} | {m} | {ms:.1f} | {ar / ms:.2f}x | {tau:.2f} | {budget:.1f} | "
+                f"{same}/{len(rows[m])} |"
             )
     return "\n".join(lines)
 

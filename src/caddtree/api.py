@@ -244,6 +244,14 @@ class SpeculativeGenerator:
         model = self.profile(**{"trials": 3, "warmup": 1, **kwargs})
         model.save(path)
         print(f"caddtree: cost model saved to {path}\n{model.fit_report()}", file=sys.stderr)
+        worst = min(q.r2 for q in model.fit_quality.values())
+        if not worst >= 0.9:
+            print(
+                f"caddtree: warning: the timings were noisy (R2 down to {worst:.2f}); another "
+                "process may have been using the machine. The fit is still convex and usable, but "
+                f"for a better one delete {path} and run again on a quiet machine.",
+                file=sys.stderr,
+            )
         return model
 
     @staticmethod
