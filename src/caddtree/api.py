@@ -65,6 +65,16 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def chat_template_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant turn."""
+    ids = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
 def machine_description(device: torch.device) -> str:
     """What the timings depend on: the accelerator, or the CPU model and thread count."""
     import platform
@@ -279,12 +289,7 @@ class SpeculativeGenerator:
             if chat:
                 if not has_template:
                     raise InvalidInputError("the tokenizer has no chat template; use chat=False")
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-                return [int(t) for t in ids]
+                return chat_template_ids(self.tokenizer, messages)
             if not isinstance(prompt, str):
                 raise InvalidInputError("chat messages need chat=True and a chat template")
             return [int(t) for t in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -204,15 +204,9 @@ def generate_responses(
 def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """``prompt`` as a user turn in the tokenizer's chat template (plain text if it has none)."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        from .api import chat_template_ids
+
+        return chat_template_ids(tokenizer, [{"role": "user", "content": prompt}])
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
 
 
