@@ -70,7 +70,7 @@ def test_generate_responses_is_greedy_and_keeps_order(target, data):
 def test_training_batch_masks_blocks():
     tokens = torch.arange(10, 30)
     anchors = torch.tensor([5, 12, 17])
-    batch = build_training_batch(tokens, 4, anchors, 4, 99, torch.float32)
+    batch = build_training_batch(tokens, anchors, 4, 99, torch.float32)
     visible = batch["attention_mask"][0, 0] == 0
     T, B = 20, 4
     for j, a in enumerate(anchors.tolist()):

@@ -65,6 +65,22 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
+    """EOS ids from ``tokenizer`` and from ``model.generation_config`` (int or list; either may
+    be missing)."""
+    ids: set[int] = set()
+    gen_config = getattr(model, "generation_config", None)
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(gen_config, "eos_token_id", None),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
 def chat_template_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant turn."""
     ids = tokenizer.apply_chat_template(
@@ -309,16 +325,7 @@ class SpeculativeGenerator:
 
     def default_stop_token_ids(self) -> set[int]:
         """EOS from the tokenizer and from the target's generation config."""
-        ids: set[int] = set()
-        sources = [getattr(self.tokenizer, "eos_token_id", None)]
-        gen_config = getattr(self.target, "generation_config", None)
-        sources.append(getattr(gen_config, "eos_token_id", None))
-        for value in sources:
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        return ids
+        return eos_token_ids(self.tokenizer, self.target)
 
     # ---- generation ---------------------------------------------------------------------------
 

@@ -108,36 +108,29 @@ def _generate(args: argparse.Namespace) -> int:
     if args.method == "caddtree" and gen.cost_model is None:
         # no silent fallback: profile this machine once (cached), and say so
         gen.cost_model = gen.cached_cost_model()
-    streamed = []
 
     def stream(_stats, tokens):
-        streamed.extend(tokens)
         if not args.json and not args.no_stream and gen.tokenizer is not None:
             print(gen.tokenizer.decode(tokens, skip_special_tokens=True), end="", flush=True)
 
+    common = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "chat": False if args.raw else None,
+    }
     result = gen.generate(
         args.prompt,
         method=args.method,
         budget=args.budget,
         max_budget=args.max_budget,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        chat=False if args.raw else None,
         callback=stream,
+        **common,
     )
     baseline = None
     if args.compare_ar and args.method != "ar":
-        baseline = gen.generate(
-            args.prompt,
-            method="ar",
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
-            chat=False if args.raw else None,
-        )
+        baseline = gen.generate(args.prompt, method="ar", **common)
     if args.json:
         out = result.to_dict(per_round=args.per_round)
         if baseline is not None:
@@ -185,7 +178,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import data as prompt_data
-    from .api import resolve_dtype
+    from .api import eos_token_ids, resolve_dtype
     from .train import TrainConfig, prepare_data, train_drafter
 
     config = TrainConfig(
@@ -227,15 +220,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         target_dir, dtype=dtype, attn_implementation="sdpa"
     )
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    stops = sorted(
-        {tokenizer.eos_token_id}
-        | set(
-            target.generation_config.eos_token_id
-            if isinstance(target.generation_config.eos_token_id, list)
-            else [target.generation_config.eos_token_id]
-        )
-        - {None}
-    )
+    stops = sorted(eos_token_ids(tokenizer, target))
     timings = {}
     t0 = time.perf_counter()
     data = prepare_data(

@@ -296,7 +296,6 @@ def compute_features(
 
 def build_training_batch(
     tokens: torch.Tensor,
-    prompt_length: int,
     anchors: torch.Tensor,
     block_size: int,
     mask_token_id: int,
@@ -306,8 +305,8 @@ def build_training_batch(
 
     Returns ``block_tokens`` [M*B], ``position_ids`` [1, T + M*B], an additive ``attention_mask``
     [1, 1, M*B, T + M*B] (block ``j`` sees context positions ``< anchors[j]`` and its own ``B``
-    positions), ``labels`` [M, B-1] (``-100`` past the end of the sequence) and ``weights``
-    [B-1] (``exp(-(k-1)/gamma)`` is applied by the caller).
+    positions) and ``labels`` [M, B-1] (``-100`` past the end of the sequence). The caller applies
+    the position weights ``exp(-(k-1)/gamma)``.
     """
     T = tokens.shape[0]
     M, B = anchors.shape[0], block_size
@@ -365,7 +364,7 @@ class _Trainer:
         )
         dtype = self.drafter.fc.weight.dtype
         batch = build_training_batch(
-            tokens, P, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
+            tokens, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
         )
         dev = self.device
         noise = self.embed(batch["block_tokens"].to(dev)).to(dtype).unsqueeze(0)
