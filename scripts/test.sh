@@ -2,6 +2,6 @@
 # Set up .venv (see setup.sh) and run the whole test suite: lint, then pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test
+bash scripts/setup.sh test plot
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/python -m pytest -q

@@ -12,7 +12,13 @@ Public API (see README.md):
 from typing import Any
 
 from .cost import ConstantCostModel, ConvexCostModel, CostModel, FitQuality, load_cost_model
-from .errors import CaddtreeError, CheckpointError, CostModelError, InvalidInputError
+from .errors import (
+    CaddtreeError,
+    CheckpointError,
+    CostModelError,
+    InvalidInputError,
+    MissingDependencyError,
+)
 from .tree import (
     DraftTree,
     TopK,
@@ -55,6 +61,7 @@ __all__ = [
     "GenerationResult",
     "InvalidInputError",
     "METHODS",
+    "MissingDependencyError",
     "SpeculativeGenerator",
     "TopK",
     "build_caddtree",

@@ -21,6 +21,7 @@ from .decoding import GenerationStats, RoundStats, Sampler, decode, make_policy
 from .errors import CheckpointError, InvalidInputError
 from .models.dflash import DFlashDraftModel, DFlashProposer
 from .models.target import TreeVerifier
+from .tree import DraftTree
 
 __all__ = ["GenerationResult", "SpeculativeGenerator", "machine_description", "resolve_dtype"]
 
@@ -222,8 +223,10 @@ class SpeculativeGenerator:
 
     def _default_profile_lengths(self) -> list[int]:
         """Context lengths for the automatic profile: up to 1024, within the model's window."""
-        limit = self.verifier.max_positions or 10**9
-        room = limit - self.proposer.block_size - 2
+        from .profiling import max_profile_context_length
+
+        room = max_profile_context_length(self.verifier, self.proposer)
+        room = 10**9 if room is None else room
         lengths = [x for x in (0, 256, 512, 1024) if x <= room]
         if len(lengths) < 2:
             lengths = sorted({0, room // 2, room})
@@ -344,6 +347,7 @@ class SpeculativeGenerator:
         chat: bool | None = None,
         seed: int | None = None,
         callback: Callable[[RoundStats | None, list[int]], Any] | None = None,
+        tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``; see :func:`caddtree.decoding.decode`.
 
@@ -372,6 +376,7 @@ class SpeculativeGenerator:
             sampler=sampler,
             stop_token_ids=stops,
             callback=callback,
+            tree_callback=tree_callback,
         )
         text = ""
         if self.tokenizer is not None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from .decoding import METHODS
 from .errors import CaddtreeError, InvalidInputError
+from .profiling import MAX_NODE_COUNT
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -67,6 +68,22 @@ def _tree_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_pair(args: argparse.Namespace) -> None:
+    """Fill in ``args.target``/``args.draft``: both given, or neither for the built-in pair
+    (SmolLM2-135M-Instruct and its caddtree drafter; ``--dtype auto`` becomes bfloat16, the dtype
+    the drafter was trained on). Call it after the cheap checks: the first use of the built-in
+    target converts it (tens of seconds)."""
+    if args.target is None and args.draft is not None:
+        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
+    if args.target is None:
+        from .defaults import default_drafter_dir, default_target_dir
+
+        args.draft = default_drafter_dir()
+        args.target = default_target_dir()
+        if args.dtype == "auto":
+            args.dtype = "bfloat16"
+
+
 def _generate(args: argparse.Namespace) -> int:
     """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
     import json
@@ -76,8 +93,6 @@ def _generate(args: argparse.Namespace) -> int:
     from .api import SpeculativeGenerator, resolve_dtype
     from .decoding import Sampler
 
-    if args.target is None and args.draft is not None:
-        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
     if args.target is not None and args.method != "ar" and args.draft is None:
         raise InvalidInputError(f"--method {args.method} needs --draft (a DFlash checkpoint)")
     if args.budget is not None and args.method != "ddtree":
@@ -91,13 +106,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
     Sampler(args.temperature, args.top_p)
     resolve_dtype(args.dtype, torch.device("cpu"))
-    if args.target is None:  # the built-in pair: SmolLM2-135M-Instruct and its caddtree drafter
-        from .defaults import default_drafter_dir, default_target_dir
-
-        args.draft = default_drafter_dir()
-        args.target = default_target_dir()
-        if args.dtype == "auto":  # the built-in drafter was trained on bfloat16 features
-            args.dtype = "bfloat16"
+    _resolve_pair(args)
     gen = SpeculativeGenerator.from_pretrained(
         args.target,
         args.draft if args.method != "ar" or args.compare_ar else None,
@@ -164,6 +173,85 @@ def _generate(args: argparse.Namespace) -> int:
             f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
             file=sys.stderr,
         )
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """Measure this machine's verification cost C_v(n; l) (the median over --trials of one target
+    forward over a tree of n nodes after l context tokens) and drafting cost C_d, fit the paper's
+    convex, non-decreasing cost model, and save it as JSON for `generate --cost-model`."""
+    from pathlib import Path
+
+    import torch
+
+    from . import profiling
+    from .api import SpeculativeGenerator, machine_description, resolve_dtype
+
+    quick = args.quick
+    lengths = args.context_lengths
+    if lengths is None:
+        lengths = profiling.QUICK_CONTEXT_LENGTHS if quick else profiling.PAPER_CONTEXT_LENGTHS
+    counts = args.node_counts
+    if counts is None:
+        counts = profiling.QUICK_NODE_COUNTS if quick else profiling.PAPER_NODE_COUNTS
+    trials = args.trials if args.trials is not None else (3 if quick else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    # check what needs no model before spending time on loading one
+    lengths, counts = profiling.check_profile_grid(lengths, counts, trials, warmup)
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    out = Path(args.out)
+    if out.is_dir():
+        raise InvalidInputError(f"--out {out} is a directory; give a file name such as cost.json")
+    if args.plot is not None:
+        from .plots import pyplot
+
+        if Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise InvalidInputError(f"--plot {args.plot}: use a .png, .pdf or .svg file name")
+        pyplot()  # a missing matplotlib is reported now, not after a long profile
+    if args.target is not None and args.draft is None:
+        raise InvalidInputError("profiling needs --draft too: C_d is the drafter's cost")
+    _resolve_pair(args)
+    gen = SpeculativeGenerator.from_pretrained(
+        args.target, args.draft, dtype=args.dtype, device=args.device
+    )
+    longest = profiling.max_profile_context_length(gen.verifier, gen.proposer)
+    if args.context_lengths is None:
+        lengths, dropped = profiling.fit_context_lengths(lengths, longest)
+        if dropped:
+            print(
+                f"caddtree: note: the target holds {gen.verifier.max_positions} positions, so with "
+                f"a depth-{gen.proposer.block_size - 1} tree the longest context is {longest}; "
+                f"profiling {lengths} instead of {dropped} (beyond {lengths[-1]} the model "
+                "clamps to the longest profiled curve)",
+                file=sys.stderr,
+            )
+    print(
+        f"caddtree: profiling {args.target} with drafter {args.draft} on "
+        f"{machine_description(gen.verifier.device)} ({str(gen.verifier.dtype).removeprefix('torch.')}): "
+        f"{len(lengths)} context lengths x {len(counts)} node counts, median of {trials} trials "
+        f"after {warmup} warm-up",
+        file=sys.stderr,
+    )
+    model = gen.profile(context_lengths=lengths, node_counts=counts, trials=trials, warmup=warmup)
+    saved = model.save(out)
+    print("verification cost C_v(n; l), convex fit per context length:")
+    print(model.fit_report())
+    print(
+        f"drafting cost C_d = {model.draft_cost * 1e3:.3f} ms per drafter pass "
+        f"(median per context length, mean over {len(lengths)})"
+    )
+    print(f"saved the cost model to {saved}")
+    if args.plot is not None:
+        print(f"saved the figure to {profiling.plot_cost_model(model, args.plot)}")
+    worst = min(q.r2 for q in model.fit_quality.values())
+    if not worst >= 0.9:
+        print(
+            f"caddtree: warning: the timings were noisy (R2 down to {worst:.2f}); another process "
+            "may have been using the machine. The fit is convex and usable; for a better one, run "
+            "again on a quiet machine or with more --trials.",
+            file=sys.stderr,
+        )
+    print(f"use it with: caddtree generate --method caddtree --cost-model {saved} PROMPT")
     return 0
 
 
@@ -268,6 +356,34 @@ def _train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """Benchmark AR, DFlash, DDTree (a budget grid) and CaDDTree on benchmark prompts; results
+    are JSON lines (resumable), summarised at the end. Runs data-parallel under torchrun."""
+    from .bench import cli_main
+
+    return cli_main(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    """Write the paper's tables (Markdown and LaTeX) and figures from `caddtree bench` results:
+    report.md, tables.tex and PNGs in --out. Missing side files (results.meta.json,
+    results.trees.jsonl) are skipped with a note."""
+    from pathlib import Path
+
+    from .report import build_report
+
+    out = args.out if args.out is not None else Path(args.results).parent / "report"
+    report = build_report(args.results, out, cost_model=args.cost_model)
+    for table in report.tables:
+        if table.key.startswith("table1_"):
+            print(f"## {table.title}\n\n{table.markdown()}\n")
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    for path in report.files:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="caddtree",
@@ -326,6 +442,47 @@ def _build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_generate)
 
     p = sub.add_parser(
+        "profile",
+        help="measure this machine's cost model (C_v and C_d) and save it as JSON",
+        description=_profile.__doc__,
+    )
+    p.add_argument(
+        "--target", help="target model: a local directory or hub id (default: built-in SmolLM2)"
+    )
+    p.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    p.add_argument(
+        "--context-lengths",
+        type=int,
+        nargs="+",
+        metavar="L",
+        help="context lengths to profile (default: 0 1024 ... 8192 as in the paper, clipped to "
+        "the model's window; --quick: 0 512 1024)",
+    )
+    p.add_argument(
+        "--node-counts",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="tree sizes to time, at least 3 distinct (default: 0 1 2 4 8 ... 768 1024; "
+        f"--quick: up to 256; at most {MAX_NODE_COUNT})",
+    )
+    p.add_argument("--trials", type=int, help="timed runs per point, median kept (default 5)")
+    p.add_argument("--warmup", type=int, help="untimed runs before them (default 2)")
+    p.add_argument("--out", default="cost.json", help="cost-model JSON file (default cost.json)")
+    p.add_argument("--plot", help="also draw Figure 4 (latency vs nodes) to this .png/.pdf/.svg")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small grid (about a minute for a small model on a CPU): 3 context lengths, up to "
+        "256 nodes, 3 trials, 1 warm-up",
+    )
+    p.set_defaults(handler=_profile)
+
+    p = sub.add_parser(
         "train-drafter",
         help="train a DFlash drafter for a target (resumable)",
         description=_train_drafter.__doc__,
@@ -356,6 +513,26 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", help="also write the final drafter here (released format)")
     p.add_argument("--export-dtype", default="bfloat16")
     p.set_defaults(handler=_train_drafter)
+
+    from .bench import add_arguments as bench_arguments
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark AR, DFlash, DDTree and CaDDTree on the paper's datasets",
+        description=_bench.__doc__,
+    )
+    bench_arguments(p)
+    p.set_defaults(handler=_bench)
+
+    p = sub.add_parser(
+        "report",
+        help="the paper's tables and figures from `caddtree bench` results",
+        description=_report.__doc__,
+    )
+    p.add_argument("results", help="results.jsonl written by `caddtree bench`")
+    p.add_argument("--out", help="output folder (default: report/ next to RESULTS)")
+    p.add_argument("--cost-model", help="cost-model file: also draw Fig. 4 (the cost profile)")
+    p.set_defaults(handler=_report)
     return parser
 
 

@@ -50,8 +50,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .defaults import MissingDependencyError, locate_package
-from .errors import CaddtreeError, InvalidInputError
+from .defaults import locate_package
+from .errors import CaddtreeError, InvalidInputError, MissingDependencyError
 
 __all__ = [
     "BENCHMARKS",

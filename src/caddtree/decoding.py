@@ -257,6 +257,12 @@ class RoundStats:
     tree_s: float
     verify_s: float  # target forward, walk and cache compaction
     phi: float  # the tree's surrogate expected acceptance
+    # the drafter's confidence: its largest position-1 probability (NaN without a draft), the
+    # quantity the paper bins rounds by (Fig. 1)
+    confidence: float = math.nan
+    # the accepted nodes, as indices into the tree (best-first order for DDTree and CaDDTree, so
+    # the acceptance a smaller budget n would have had is the number of indices below n)
+    path: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -313,11 +319,14 @@ def decode(
     sampler: Sampler | None = None,
     stop_token_ids: Iterable[int] = (),
     callback: Callable[[RoundStats, list[int]], Any] | None = None,
+    tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
 ) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one tree policy.
 
     ``callback(round_stats, new_tokens)`` is called after every round (and once after the prefill,
-    with ``round_stats=None``) with the tokens that round added, e.g. for streaming. Generation
+    with ``round_stats=None``) with the tokens that round added, e.g. for streaming.
+    ``tree_callback(tree, round_stats)`` receives every round's draft tree (for analysis and
+    rendering; ``round_stats.path`` is its accepted path). Generation
     stops after a token in ``stop_token_ids`` (which is kept in the output) or after
     ``max_new_tokens`` tokens.
     """
@@ -379,6 +388,10 @@ def decode(
             else DraftTree.empty()
         )
         t2 = time.perf_counter()
+        confidence = math.nan
+        if draft_logits is not None:
+            # node 0 of every non-empty tree is position 1's most probable token
+            confidence = math.exp(float(tree.log_probs[0])) if len(tree) else math.nan
         target_logits, _ = verifier.verify(bonus, tree)
         path, next_bonus = walk_tree(tree, target_logits, sampler)
         new_tokens = [int(tree.token_ids[i - 1]) for i in path[1:]] + [next_bonus]
@@ -405,8 +418,12 @@ def decode(
             tree_s=t2 - t1,
             verify_s=t3 - t2,
             phi=tree.phi,
+            confidence=confidence,
+            path=[i - 1 for i in path[1:]],
         )
         rounds.append(stats)
+        if tree_callback is not None:
+            tree_callback(tree, stats)
         if callback is not None:
             callback(stats, new_tokens)
         if done:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import CaddtreeError, CheckpointError
+from .errors import CaddtreeError, CheckpointError, MissingDependencyError
 
 __all__ = [
     "DEFAULT_DRAFTER_NAME",
@@ -72,10 +72,6 @@ CACHE_MARKER = "caddtree-cache.json"  # written last: a directory with it is com
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 # A temporary build directory older than this belongs to a conversion that was killed.
 _STALE_BUILD_SECONDS = 6 * 3600
-
-
-class MissingDependencyError(CaddtreeError, ImportError):
-    """An optional package (model weights, benchmark data, a converter) is not installed."""
 
 
 # ---- locations ----------------------------------------------------------------------------------

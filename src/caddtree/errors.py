@@ -22,3 +22,7 @@ class CostModelError(CaddtreeError, ValueError):
 
 class CheckpointError(CaddtreeError, ValueError):
     """A model checkpoint is missing, malformed, or does not fit the target model."""
+
+
+class MissingDependencyError(CaddtreeError, ImportError):
+    """An optional package (model weights, benchmark data, a converter, plotting) is not installed."""

@@ -7,26 +7,127 @@ untimed and ``trials`` times timed. The median of the trials is the measurement.
 the median time of one drafter pass (a block after a few new context features) at each context
 length, averaged over the context lengths.
 
-Timings synchronise the device around each call (CUDA), so they measure the work, not the launch.
+Timings synchronise every device involved (the target's, and the drafter's when it differs)
+around each call, so on CUDA they measure the work, not the kernel launches.
+
+:func:`plot_cost_model` draws the paper's Figure 4 from a fitted (or loaded) model.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .cost import ConvexCostModel
+from .cost import ConvexCostModel, CostModel
 from .errors import InvalidInputError
 from .tree import DraftTree, build_ddtree
 
-__all__ = ["DEFAULT_NODE_COUNTS", "profile_cost_model", "profiling_tree"]
+__all__ = [
+    "DEFAULT_NODE_COUNTS",
+    "MAX_NODE_COUNT",
+    "PAPER_CONTEXT_LENGTHS",
+    "PAPER_NODE_COUNTS",
+    "QUICK_CONTEXT_LENGTHS",
+    "QUICK_NODE_COUNTS",
+    "check_profile_grid",
+    "fit_context_lengths",
+    "max_profile_context_length",
+    "plot_cost_model",
+    "profile_cost_model",
+    "profiling_tree",
+]
 
 DEFAULT_NODE_COUNTS = (0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+"""The grid of the automatic (cached) profile: up to 256 nodes, a minute on a CPU."""
+
+PAPER_CONTEXT_LENGTHS = tuple(range(0, 8193, 1024))
+"""The paper's context lengths (§4.4): 0, 1k, ..., 8k tokens."""
+
+PAPER_NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+"""Node counts up to the paper's N = 1024, denser where the curve bends (few nodes)."""
+
+QUICK_CONTEXT_LENGTHS = (0, 512, 1024)
+QUICK_NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""``caddtree profile --quick``: a grid that takes about a minute for a small model on a CPU."""
+
+MAX_NODE_COUNT = 4096
+"""The largest tree profiled: 4x the paper's largest. The attention over ``n`` tree nodes after
+``l`` context tokens is ``n x (l + n)`` per head, so a typo like 100000 would exhaust memory."""
+
+
+def check_profile_grid(
+    context_lengths: Iterable[Any], node_counts: Iterable[Any], trials: Any = 1, warmup: Any = 0
+) -> tuple[list[int], list[int]]:
+    """Validate a profiling grid before any model work; return the sorted distinct lengths and
+    node counts. Raises :class:`~caddtree.errors.InvalidInputError` naming the bad value."""
+
+    def integers(values: Iterable[Any], what: str) -> list[int]:
+        out = []
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidInputError(f"{what} must be integers, got {v!r}")
+            if v < 0:
+                raise InvalidInputError(f"{what} must be non-negative, got {v}")
+            out.append(int(v))
+        return sorted(set(out))
+
+    lengths = integers(context_lengths, "context lengths")
+    counts = integers(node_counts, "node counts")
+    if not lengths:
+        raise InvalidInputError("profiling needs at least one context length")
+    if len(counts) < 3:
+        raise InvalidInputError(
+            f"profiling needs at least 3 distinct node counts for a convex fit, got {counts}"
+        )
+    if counts[-1] > MAX_NODE_COUNT:
+        raise InvalidInputError(
+            f"node count {counts[-1]} is above the profiling limit of {MAX_NODE_COUNT} "
+            "(the paper profiles up to 1024)"
+        )
+    for name, value, low in (("trials", trials, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise InvalidInputError(f"{name} must be an integer >= {low}, got {value!r}")
+    return lengths, counts
+
+
+def max_profile_context_length(verifier: Any, proposer: Any) -> int | None:
+    """The longest context that leaves room for a full-depth tree and the drafter's block in the
+    target's position window (``max_position_embeddings``); ``None`` when the model has no limit.
+
+    A profiled context of ``l`` tokens (at least one) is followed by the bonus token and a tree of
+    depth ``B - 1``, so ``l + B + 1`` positions must fit.
+    """
+    limit = verifier.max_positions
+    if limit is None:
+        return None
+    return int(limit) - proposer.block_size - 1
+
+
+def fit_context_lengths(lengths: Sequence[int], longest: int | None) -> tuple[list[int], list[int]]:
+    """Clip a *default* grid of context lengths to ``longest`` (see
+    :func:`max_profile_context_length`): keep the lengths that fit and, when some do not, add
+    ``longest`` itself so the whole window the model can serve is profiled.
+    Returns ``(lengths, dropped)``."""
+    lengths = sorted({int(x) for x in lengths})
+    if longest is None:
+        return lengths, []
+    if longest < 0:
+        raise InvalidInputError(
+            f"the model's position window is too small to verify a tree of the drafter's depth "
+            f"(longest profilable context: {longest})"
+        )
+    kept = [x for x in lengths if x <= longest]
+    dropped = [x for x in lengths if x > longest]
+    if dropped and longest not in kept:
+        kept.append(longest)
+    return kept, dropped
 
 
 def profiling_tree(n: int, depth: int, vocab_size: int, seed: int = 0) -> DraftTree:
@@ -37,20 +138,23 @@ def profiling_tree(n: int, depth: int, vocab_size: int, seed: int = 0) -> DraftT
     return build_ddtree(logits, n)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _sync(devices: Sequence[torch.device]) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
-def _median_time(fn, warmup: int, trials: int, device: torch.device) -> float:
+def _median_time(fn, warmup: int, trials: int, devices: Sequence[torch.device]) -> float:
+    """Median wall time of ``fn()`` over ``trials`` calls after ``warmup`` untimed ones; every
+    device in ``devices`` is synchronised before the clock starts and before it stops."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(trials):
-        _sync(device)
+        _sync(devices)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        _sync(devices)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -72,26 +176,34 @@ def profile_cost_model(
     :class:`~caddtree.models.DFlashProposer`) and fit a :class:`ConvexCostModel`.
 
     The fitted model's ``metadata`` records the grid, the raw medians and ``metadata``.
+    Raises :class:`~caddtree.errors.InvalidInputError` for a bad grid (see
+    :func:`check_profile_grid`), a context length beyond the model's window, or a node count that
+    no tree of the drafter's depth can hold.
     """
     from tqdm.auto import tqdm
 
-    if len(set(node_counts)) < 3:
-        raise InvalidInputError("profiling needs at least 3 distinct node counts")
-    if trials < 1 or warmup < 0:
-        raise InvalidInputError("trials must be >= 1 and warmup >= 0")
-    lengths = sorted({int(x) for x in context_lengths})
-    counts = sorted({int(x) for x in node_counts})
+    if proposer is None:
+        raise InvalidInputError("profiling the drafting cost C_d needs a drafter (a DFlash model)")
+    lengths, counts = check_profile_grid(context_lengths, node_counts, trials, warmup)
     depth = proposer.block_size - 1
-    limit = verifier.max_positions
-    if limit is not None and lengths[-1] + depth + 2 > limit:
+    longest = max_profile_context_length(verifier, proposer)
+    if longest is not None and lengths[-1] > longest:
         raise InvalidInputError(
-            f"context length {lengths[-1]} plus a depth-{depth} tree exceeds the model's "
-            f"{limit} positions; profile shorter contexts"
+            f"context length {lengths[-1]} leaves no room for the bonus token and a depth-{depth} "
+            f"tree in the model's {verifier.max_positions} positions; "
+            + (f"profile context lengths up to {longest}" if longest >= 0 else "none fits")
         )
     vocab = vocab_size or int(verifier.model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(seed)
     device = verifier.device
+    draft_devices = list(dict.fromkeys([device, proposer.drafter.fc.weight.device]))
     trees = {n: profiling_tree(n, depth, vocab, seed) for n in counts}
+    short = [n for n, tree in trees.items() if len(tree) != n]
+    if short:
+        raise InvalidInputError(
+            f"a tree of depth {depth} over {min(256, vocab)} candidate tokens holds at most "
+            f"{len(trees[short[0]])} nodes; node count {short[0]} does not fit"
+        )
     measurements: dict[int, tuple[list[int], list[float]]] = {}
     draft_times: list[float] = []
     bar = tqdm(
@@ -111,7 +223,7 @@ def profile_cost_model(
                 verifier.verify(bonus, tree)
                 verifier.commit([])  # discard: the cache stays at `length` tokens
 
-            latencies.append(_median_time(verify_once, warmup, trials, device))
+            latencies.append(_median_time(verify_once, warmup, trials, [device]))
             bar.update(1)
         measurements[length] = (counts, latencies)
 
@@ -124,7 +236,7 @@ def profile_cost_model(
             proposer.crop(start)
             proposer.propose(bonus, tail)
 
-        draft_times.append(_median_time(draft_once, warmup, trials, device))
+        draft_times.append(_median_time(draft_once, warmup, trials, draft_devices))
         bar.update(1)
     bar.close()
     verifier.reset()
@@ -140,3 +252,94 @@ def profile_cost_model(
         **(metadata or {}),
     }
     return ConvexCostModel.fit(measurements, draft_cost, metadata=meta)
+
+
+def _raw_measurements(model: CostModel) -> dict[int, tuple[list[int], list[float]]]:
+    """The measured medians kept in a profiled model's metadata (``node_counts`` and
+    ``raw_verify``: context length, as a string in JSON, -> seconds per node count); entries that
+    do not line up are skipped, and a model without them (a published file) gives ``{}``."""
+    meta = getattr(model, "metadata", {}) or {}
+    counts, raw = meta.get("node_counts"), meta.get("raw_verify")
+    if not isinstance(counts, list) or not isinstance(raw, dict):
+        return {}
+    out = {}
+    for key, values in raw.items():
+        try:
+            length = int(key)
+            ys = [float(v) for v in values]
+        except (TypeError, ValueError):
+            continue
+        if len(ys) == len(counts):
+            out[length] = (counts, ys)
+    return out
+
+
+def plot_cost_model(
+    model: CostModel, path: str | os.PathLike[str], title: str | None = None
+) -> Path:
+    """Draw the paper's Figure 4 for ``model`` and write it to ``path`` (format from the suffix).
+
+    Verification latency (ms) against the number of draft nodes: the fitted convex curve of every
+    profiled context length, light to dark as the context grows, with the measured medians as dots
+    when the model carries them (a model from :func:`profile_cost_model`, also after a save and
+    load; a published torch file has only curves), and ``C_d`` in a corner.
+    """
+    from .plots import pyplot, save_figure
+
+    lengths = getattr(model, "context_lengths", None)
+    curves = getattr(model, "curves", None)
+    if not lengths or not curves:
+        raise InvalidInputError(
+            f"cannot plot a {type(model).__name__}: it has no per-context verification curves"
+        )
+    raw = _raw_measurements(model)
+    quality = getattr(model, "fit_quality", {}) or {}
+    largest = max(
+        [float(c.node_counts[-1]) for c in curves]
+        + [float(max(counts)) for counts, _ in raw.values()]
+        + [1.0]
+    )
+    n = np.linspace(0.0, largest, 400)
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    shades = np.linspace(0.35, 1.0, len(lengths)) if len(lengths) > 1 else [0.8]
+    colours = plt.get_cmap("Blues")(shades)
+    for length, curve, colour in zip(lengths, curves, colours):
+        label = f"l = {length}"
+        q = quality.get(length)
+        if q is not None and np.isfinite(q.r2):
+            label += f"  (R² {q.r2:.3f})"
+        ax.plot(n, curve(n) * 1e3, color=colour, linewidth=1.6, label=label)
+        if length in raw:
+            counts, ys = raw[length]
+            ax.scatter(counts, np.asarray(ys) * 1e3, color=colour, s=14, zorder=3)
+    ax.set_xlabel("number of draft nodes n")
+    ax.set_ylabel("verification latency C_v(n; l) (ms)")
+    ax.set_xlim(0, largest)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(title="context length", fontsize=8, title_fontsize=8, loc="upper left")
+    note = f"C_d = {model.draft_cost * 1e3:.2f} ms (one drafter pass)"
+    if raw:
+        note += "\ndots: measured medians; lines: convex fit"
+    ax.text(
+        0.98,
+        0.03,
+        note,
+        transform=ax.transAxes,
+        ha="right",
+        va="bottom",
+        fontsize=8,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85, "edgecolor": "0.7"},
+    )
+    meta = getattr(model, "metadata", {}) or {}
+    if title is None:
+        name = Path(str(meta.get("target") or "")).name
+        if len(name) > 40:  # e.g. the built-in target's cache directory
+            name = name[:39] + "…"
+        title = "Verification cost" + (f": {name}" if name else "")
+        if meta.get("dtype"):
+            title += f" ({str(meta['dtype']).removeprefix('torch.')})"
+    ax.set_title(title, fontsize=10)
+    return save_figure(fig, path)

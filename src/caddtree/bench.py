@@ -1,0 +1,866 @@
+"""The benchmark harness: AR, DFlash, DDTree (a budget grid) and CaDDTree on benchmark prompts.
+
+One *work item* is a (temperature, dataset, prompt) triple. Every method runs on it back to back,
+so machine noise hits all methods alike, and AR first when it is in the list, so each record can
+say whether its output is identical to AR's. Results are JSON lines, one record per
+(dataset, prompt, method, temperature), written and flushed as they are made; see
+``docs/benchmarking.md`` for the record schema. Next to ``results.jsonl`` the harness writes
+``results.meta.json`` (the settings and the machine) and ``results.trees.jsonl`` (two CaDDTree
+draft trees per dataset, for the report's Figure 6).
+
+Resuming. Running again with the same ``--out`` skips every record already there, so an
+interrupted run continues where it stopped; a torn last line (a kill mid-write) is dropped. The
+settings that change the numbers (model pair, dtype, max new tokens, ...) must match the earlier
+run's, or the harness refuses to mix them.
+
+Multi-turn prompts (MT-Bench) are run as in the paper: each turn is appended after the model's own
+answer to the previous turn, and the record sums the turns (``turns`` says how many).
+
+Data parallel. Under ``torchrun --nproc-per-node N`` the work items are split round-robin over the
+ranks (torch.distributed: gloo on CPU, nccl on CUDA, one GPU per rank). Each rank appends to its
+own ``results.rankK.jsonl``; at the end the records are gathered on rank 0, which writes the
+merged ``results.jsonl`` and removes the per-rank files.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidInputError
+
+__all__ = [
+    "ABLATIONS",
+    "DEFAULT_BUDGETS",
+    "BenchConfig",
+    "MethodSpec",
+    "init_distributed",
+    "parse_methods",
+    "read_records",
+    "run_bench",
+    "summary_table",
+]
+
+DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
+
+# CaDDTree cost-model variants of the paper's ablations: Table 2 (constant C_v) and Table 3
+# (C_d and C_v scaled by 0.5 and 2).
+ABLATIONS: dict[str, tuple[float, float] | None] = {
+    "constant": None,
+    "cd0.5": (0.5, 1.0),
+    "cd2": (2.0, 1.0),
+    "cv0.5": (1.0, 0.5),
+    "cv2": (1.0, 2.0),
+}
+
+# The settings that change the measurements: a resumed run must match the earlier one in these.
+_RUN_KEYS = ("target", "draft", "dtype", "device_type", "max_new_tokens", "max_budget", "seed")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One benchmarked method: ``label`` names it in the results (``ddtree-16``, ``caddtree-cv2``),
+    ``family`` is the decoding method, ``budget`` DDTree's node budget, ``variant`` the CaDDTree
+    cost-model ablation (``None`` = the cost model as profiled)."""
+
+    label: str
+    family: str
+    budget: int | None = None
+    variant: str | None = None
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self.family == "caddtree"
+
+
+def parse_methods(
+    methods: Iterable[str],
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    ablations: bool = False,
+) -> list[MethodSpec]:
+    """Method specs from names: ``ar``, ``dflash``, ``ddtree`` (one per budget in ``budgets``),
+    ``ddtree-<B>``, ``caddtree`` and ``caddtree-<variant>`` (see :data:`ABLATIONS`).
+    ``ablations=True`` adds every CaDDTree variant. AR comes first, duplicates are dropped."""
+    for b in budgets:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise InvalidInputError(f"DDTree budgets must be positive integers, got {b!r}")
+    specs: dict[str, MethodSpec] = {}
+
+    def add(spec: MethodSpec) -> None:
+        specs.setdefault(spec.label, spec)
+
+    names = list(methods)
+    if ablations:
+        names += [f"caddtree-{v}" for v in ABLATIONS]
+    if not names:
+        raise InvalidInputError("no methods to benchmark")
+    for name in names:
+        key = str(name).strip().lower()
+        if key in ("ar", "dflash", "caddtree"):
+            add(MethodSpec(key, key))
+        elif key == "ddtree":
+            for b in budgets:
+                add(MethodSpec(f"ddtree-{b}", "ddtree", budget=int(b)))
+        elif key.startswith("ddtree-") and key[7:].isdigit() and int(key[7:]) > 0:
+            add(MethodSpec(f"ddtree-{int(key[7:])}", "ddtree", budget=int(key[7:])))
+        elif key.startswith("caddtree-") and key[9:] in ABLATIONS:
+            add(MethodSpec(key, "caddtree", variant=key[9:]))
+        else:
+            raise InvalidInputError(
+                f"unknown method {name!r}; use ar, dflash, ddtree, ddtree-<budget>, caddtree or "
+                f"caddtree-<variant> with a variant in {', '.join(ABLATIONS)}"
+            )
+    ordered = sorted(specs.values(), key=lambda s: s.family != "ar")
+    return ordered
+
+
+def variant_cost_model(cost_model: Any, variant: str | None) -> Any:
+    """The cost model a CaDDTree variant decodes with."""
+    from .cost import ConstantCostModel
+
+    if variant is None:
+        return cost_model
+    if variant == "constant":
+        try:
+            return ConstantCostModel.from_cost_model(cost_model)
+        except (AttributeError, TypeError):
+            raise InvalidInputError(
+                "the constant-cost ablation needs a profiled cost model (per-context curves)"
+            ) from None
+    draft, verify = ABLATIONS[variant]
+    return cost_model.scaled(draft=draft, verify=verify)
+
+
+@dataclass
+class BenchConfig:
+    """What to run. ``prompts`` maps a dataset name to its prompts (``caddtree.data``
+    ``BenchmarkPrompt`` objects, or anything with ``id`` and ``turns``)."""
+
+    prompts: dict[str, list[Any]]
+    methods: list[MethodSpec]
+    temperatures: Sequence[float] = (0.0,)
+    max_new_tokens: int = 256
+    max_budget: int = 1024
+    seed: int = 0
+    warmup: bool = True
+    warmup_tokens: int = 32
+    save_trees: bool = True
+
+    def validate(self) -> None:
+        if not self.prompts or not any(self.prompts.values()):
+            raise InvalidInputError("no prompts to benchmark")
+        if not self.methods:
+            raise InvalidInputError("no methods to benchmark")
+        for t in self.temperatures:
+            if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise InvalidInputError(f"temperatures must be finite numbers >= 0, got {t!r}")
+        for name, value in (
+            ("max_new_tokens", self.max_new_tokens),
+            ("max_budget", self.max_budget),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+
+def _side_file(out: Path, suffix: str) -> Path:
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(f"{stem}.{suffix}")
+
+
+def meta_path(out: str | os.PathLike[str]) -> Path:
+    return _side_file(Path(out), "meta.json")
+
+
+def trees_path(out: str | os.PathLike[str]) -> Path:
+    return _side_file(Path(out), "trees.jsonl")
+
+
+def _rank_path(out: Path, rank: int) -> Path:
+    return _side_file(out, f"rank{rank}.jsonl")
+
+
+def read_records(path: str | os.PathLike[str], *, repair: bool = False) -> list[dict[str, Any]]:
+    """The records of a results file (empty if it does not exist). A torn last line (from a kill
+    mid-write) is dropped, and with ``repair=True`` also cut from the file; a bad line elsewhere
+    is an error that names it."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            if i == len(lines) - 1:  # torn by an interrupted write: that record is redone
+                print(
+                    f"caddtree: dropping an incomplete last line of {path} (it is run again)",
+                    file=sys.stderr,
+                )
+                if repair:
+                    good = "".join(ln + "\n" for ln in lines[:i])
+                    _atomic_write(path, good)
+                break
+            raise InvalidInputError(f"{path}, line {i + 1}: not a results record ({exc})") from None
+        records.append(rec)
+    return records
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def record_key(rec: dict[str, Any]) -> tuple[str, int, str, float]:
+    return (rec["dataset"], int(rec["prompt_index"]), rec["method"], float(rec["temperature"]))
+
+
+# ---- distributed ----------------------------------------------------------------------------------
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    device: str | None = None  # None = the caller's choice
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed(device: str | None = None) -> DistInfo:
+    """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1): gloo on CPU,
+    nccl on CUDA with one GPU per local rank. A single process needs nothing."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return DistInfo(device=device)
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = device in (None, "auto", "cuda") and torch.cuda.is_available()
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidInputError("--device cuda was asked for, but CUDA is not available")
+    if want_cuda:
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    else:
+        device = "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+    return DistInfo(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
+
+
+def _barrier(info: DistInfo) -> None:
+    if info.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+# ---- running --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    token_ids: list[int] = field(default_factory=list)
+    turns: int = 0
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    rounds: list[Any] = field(default_factory=list)
+    stop_reason: str = ""
+    trees: list[tuple[Any, Any, int]] = field(default_factory=list)  # (tree, stats, bonus)
+    skipped: str | None = None
+
+
+def _prompt_seed(seed: int, dataset: str, index: int, turn: int) -> int:
+    return (seed * 1_000_003 + zlib.crc32(f"{dataset}/{index}/{turn}".encode())) % (2**63)
+
+
+def _run_prompt(
+    gen: Any,
+    item: Any,
+    spec: MethodSpec,
+    cost_model: Any,
+    temperature: float,
+    config: BenchConfig,
+    dataset: str,
+    index: int,
+    *,
+    keep_trees: bool = False,
+    max_new_tokens: int | None = None,
+) -> _Outcome:
+    """Run one method on one (possibly multi-turn) prompt."""
+    max_new = max_new_tokens or config.max_new_tokens
+    has_template = getattr(gen.tokenizer, "chat_template", None) is not None
+    limit = gen.verifier.max_positions
+    out = _Outcome()
+    messages: list[dict[str, str]] = []
+    raw = ""
+    for turn, text in enumerate(item.turns):
+        if has_template:
+            messages.append({"role": "user", "content": text})
+            prompt_ids = gen.encode(messages)
+        else:
+            raw = f"{raw}{text}" if not raw else f"{raw}\n\n{text}"
+            prompt_ids = gen.encode(raw, chat=False)
+        room = max_new if limit is None else min(max_new, limit - len(prompt_ids))
+        if room < 1:
+            out.skipped = (
+                f"turn {turn + 1} has {len(prompt_ids)} prompt tokens; the model holds {limit}"
+            )
+            break
+        trees: list[tuple[Any, Any]] = []
+        res = gen.generate(
+            prompt_ids,
+            method=spec.family,
+            budget=spec.budget,
+            cost_model=cost_model if spec.needs_cost_model else None,
+            max_budget=config.max_budget,
+            temperature=temperature,
+            max_new_tokens=room,
+            seed=_prompt_seed(config.seed, dataset, index, turn) if temperature > 0 else None,
+            tree_callback=(lambda t, s, acc=trees: acc.append((t, s)))
+            if keep_trees and turn == 0
+            else None,
+        )
+        s = res.stats
+        if trees:  # the bonus of round r is the output token after the previous rounds' tokens
+            at = 0
+            for tree, stats in trees:
+                out.trees.append((tree, stats, res.token_ids[at]))
+                at += stats.committed
+        out.token_ids.extend(res.token_ids)
+        out.turns += 1
+        out.new_tokens += s.new_tokens
+        out.wall_s += s.wall_s
+        out.prefill_s += s.prefill_s
+        out.rounds.extend(s.per_round)
+        out.stop_reason = s.stop_reason
+        if has_template:
+            messages.append({"role": "assistant", "content": res.text})
+        else:
+            raw = f"{raw}{res.text}"
+    return out
+
+
+def _digest(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:20]
+
+
+def _record(
+    dataset: str, index: int, item: Any, spec: MethodSpec, temperature: float, out: _Outcome
+) -> dict[str, Any]:
+    rounds = out.rounds
+    committed = [r.committed for r in rounds]
+    return {
+        "dataset": dataset,
+        "prompt_index": index,
+        "prompt_id": str(item.id),
+        "method": spec.label,
+        "family": spec.family,
+        "budget": spec.budget,
+        "variant": spec.variant,
+        "temperature": float(temperature),
+        "turns": out.turns,
+        "new_tokens": out.new_tokens,
+        "rounds": len(rounds),
+        "wall_s": out.wall_s,
+        "prefill_s": out.prefill_s,
+        "ms_per_token": 1e3 * out.wall_s / out.new_tokens if out.new_tokens else None,
+        "tau": sum(committed) / len(committed) if committed else None,
+        "budgets": [r.budget for r in rounds],
+        "accepted": [r.accepted for r in rounds],
+        "committed": committed,
+        "context_lengths": [r.context_length for r in rounds],
+        "confidence": [None if math.isnan(r.confidence) else r.confidence for r in rounds],
+        "paths": [list(r.path) for r in rounds],
+        "draft_s": sum(r.draft_s for r in rounds),
+        "tree_s": sum(r.tree_s for r in rounds),
+        "verify_s": sum(r.verify_s for r in rounds),
+        "output_sha": _digest(out.token_ids),
+        "matches_ar": None,
+        "stop_reason": out.stop_reason,
+        "skipped": out.skipped,
+    }
+
+
+def _tree_records(
+    gen: Any, dataset: str, index: int, spec: MethodSpec, temperature: float, out: _Outcome
+) -> list[dict[str, Any]]:
+    """The rounds with the smallest and the largest non-empty tree, for Figure 6."""
+    rounds = [(i, t) for i, t in enumerate(out.trees) if len(t[0]) > 0]
+    if not rounds:
+        return []
+    small = min(rounds, key=lambda it: (len(it[1][0]), -it[1][1].accepted))
+    large = max(rounds, key=lambda it: (len(it[1][0]), it[1][1].accepted))
+    picked = [small] if small[0] == large[0] else [small, large]
+    tok = gen.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([int(t)]) if tok is not None else str(int(t))
+
+    recs = []
+    for i, (tree, stats, bonus) in picked:
+        recs.append(
+            {
+                "dataset": dataset,
+                "prompt_index": index,
+                "method": spec.label,
+                "temperature": float(temperature),
+                "round": i,
+                "budget": len(tree),
+                "accepted": stats.accepted,
+                "context_length": stats.context_length,
+                "token_ids": [int(t) for t in tree.token_ids],
+                "token_texts": [text(t) for t in tree.token_ids],
+                "parents": [int(p) for p in tree.parents],
+                "ranks": [int(r) for r in tree.ranks],
+                "depths": [int(d) for d in tree.depths],
+                "log_probs": [float(x) for x in tree.log_probs],
+                "path": list(stats.path),
+                "bonus_id": int(bonus),
+                "bonus_text": text(bonus),
+            }
+        )
+    return recs
+
+
+def _check_meta(out: Path, meta: dict[str, Any], resume: bool) -> None:
+    path = meta_path(out)
+    if not resume or not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return
+    diff = [k for k in _RUN_KEYS if k in old and old.get(k) != meta.get(k)]
+    if diff:
+        what = ", ".join(f"{k}: {old.get(k)!r} then, {meta.get(k)!r} now" for k in diff)
+        raise InvalidInputError(
+            f"{out} holds results made with other settings ({what}); use another --out, or "
+            "--no-resume to start it over"
+        )
+
+
+def run_bench(
+    gen: Any,
+    config: BenchConfig,
+    out: str | os.PathLike[str],
+    *,
+    cost_model: Any = None,
+    resume: bool = True,
+    progress: bool = True,
+    dist_info: DistInfo | None = None,
+    meta: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``config`` with the generator ``gen`` (a :class:`caddtree.SpeculativeGenerator`) and
+    write the results to ``out`` (JSON lines). Returns every record of the results file (on rank 0
+    of a distributed run; the other ranks return their own)."""
+    from tqdm.auto import tqdm
+
+    config.validate()
+    info = dist_info or DistInfo()
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise InvalidInputError(f"--out {out} is a directory; give a .jsonl file path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    needs_cost = any(s.needs_cost_model for s in config.methods)
+    if needs_cost and cost_model is None:
+        raise InvalidInputError("CaDDTree methods need a cost model")
+    if any(s.family != "ar" for s in config.methods) and gen.proposer is None:
+        raise InvalidInputError("drafting methods need a drafter; load the generator with one")
+    costs = {s.label: variant_cost_model(cost_model, s.variant) for s in config.methods}
+
+    run_meta = dict(meta or {})
+    run_meta.setdefault("max_new_tokens", config.max_new_tokens)
+    run_meta.setdefault("max_budget", config.max_budget)
+    run_meta.setdefault("seed", config.seed)
+    _check_meta(out, run_meta, resume)
+    if not resume and info.rank == 0:
+        stem = _side_file(out, "")
+        leftovers = [
+            *out.parent.glob(f"{stem.name}rank*.jsonl"),
+            *out.parent.glob(f"{stem.name}trees.rank*.jsonl"),
+        ]
+        for stale in (out, trees_path(out), *leftovers):
+            stale.unlink(missing_ok=True)
+    _barrier(info)
+
+    done: dict[tuple, dict[str, Any]] = {}
+    for source in (out, _rank_path(out, info.rank)):
+        for rec in read_records(source, repair=info.rank == 0 or source != out):
+            done[record_key(rec)] = rec
+    if info.rank == 0:
+        _atomic_write(
+            meta_path(out),
+            json.dumps(
+                {
+                    **run_meta,
+                    "updated": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "world_size": info.world,
+                },
+                indent=1,
+                default=str,
+            )
+            + "\n",
+        )
+
+    items = [
+        (t, dataset, i, item)
+        for t in config.temperatures
+        for dataset, prompts in config.prompts.items()
+        for i, item in enumerate(prompts)
+    ]
+    mine = [it for k, it in enumerate(items) if k % info.world == info.rank]
+    todo = [
+        (it, spec)
+        for it in mine
+        for spec in config.methods
+        if (it[1], it[2], spec.label, float(it[0])) not in done
+    ]
+    part = out if not info.distributed else _rank_path(out, info.rank)
+    new_records: list[dict[str, Any]] = []
+    if todo:
+        if config.warmup:  # untimed: one short prompt per method, so no method pays for warm-up
+            t, dataset, i, item = todo[0][0]
+            for spec in config.methods:
+                _run_prompt(
+                    gen,
+                    item,
+                    spec,
+                    costs[spec.label],
+                    0.0,
+                    config,
+                    dataset,
+                    i,
+                    max_new_tokens=config.warmup_tokens,
+                )
+        bar = tqdm(
+            total=len(todo),
+            desc=f"bench (rank {info.rank})" if info.distributed else "bench",
+            unit="run",
+            disable=not progress,
+        )
+        with open(part, "a", encoding="utf-8") as fh:
+            for (t, dataset, i, item), spec in todo:
+                bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
+                keep = config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
+                outcome = _run_prompt(
+                    gen, item, spec, costs[spec.label], t, config, dataset, i, keep_trees=keep
+                )
+                rec = _record(dataset, i, item, spec, t, outcome)
+                ar = done.get((dataset, i, "ar", float(t)))
+                if ar is not None and t == 0:
+                    rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
+                done[record_key(rec)] = rec
+                new_records.append(rec)
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                if keep:
+                    with open(
+                        trees_path(out)
+                        if not info.distributed
+                        else _side_file(out, f"trees.rank{info.rank}.jsonl"),
+                        "a",
+                        encoding="utf-8",
+                    ) as tf:
+                        for tr in _tree_records(gen, dataset, i, spec, t, outcome):
+                            tf.write(json.dumps(tr) + "\n")
+                bar.update(1)
+        bar.close()
+    if not info.distributed:
+        return list(done.values())
+    return _gather(out, info, list(done.values()))
+
+
+def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Collect every rank's records on rank 0 and write the merged results file there."""
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
+    dist.gather_object(records, gathered, dst=0)
+    if info.rank != 0:
+        dist.barrier()
+        return records
+    merged: dict[tuple, dict[str, Any]] = {}
+    for part in gathered:
+        for rec in part or []:
+            merged[record_key(rec)] = rec
+    # matches_ar across ranks cannot differ (a work item is one rank's), but fill in any gaps
+    for rec in merged.values():
+        ar = merged.get((rec["dataset"], rec["prompt_index"], "ar", rec["temperature"]))
+        if (
+            rec["matches_ar"] is None
+            and ar is not None
+            and rec["temperature"] == 0
+            and rec is not ar
+        ):
+            rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
+    ordered = sorted(
+        merged.values(), key=lambda r: (r["temperature"], r["dataset"], r["prompt_index"])
+    )
+    _atomic_write(out, "".join(json.dumps(r) + "\n" for r in ordered))
+    tree_lines = []
+    for r in range(info.world):
+        p = _side_file(out, f"trees.rank{r}.jsonl")
+        if p.is_file():
+            tree_lines.append(p.read_text(encoding="utf-8"))
+    if tree_lines:
+        existing = trees_path(out).read_text(encoding="utf-8") if trees_path(out).is_file() else ""
+        _atomic_write(trees_path(out), existing + "".join(tree_lines))
+    for r in range(info.world):
+        _rank_path(out, r).unlink(missing_ok=True)
+        _side_file(out, f"trees.rank{r}.jsonl").unlink(missing_ok=True)
+    dist.barrier()
+    return ordered
+
+
+# ---- a quick summary ------------------------------------------------------------------------------
+
+
+def summary_table(records: list[dict[str, Any]]) -> str:
+    """A Markdown table: per temperature, dataset and method, the median ms per token, the speed-up
+    over AR (ratio of medians), pooled tau, mean budget and how many outputs equal AR's."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for rec in records:
+        if rec.get("ms_per_token") is None:
+            continue
+        groups.setdefault((rec["temperature"], rec["dataset"], rec["method"]), []).append(rec)
+    lines = [
+        "| T | dataset | method | prompts | ms/token (median) | speed-up vs AR | tau | mean budget "
+        "| same output as AR |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (t, dataset, method), recs in groups.items():
+        ms = statistics.median(r["ms_per_token"] for r in recs)
+        ar = groups.get((t, dataset, "ar"))
+        speed = f"{statistics.median(r['ms_per_token'] for r in ar) / ms:.2f}x" if ar else "-"
+        rounds = sum(r["rounds"] for r in recs)
+        tau = sum(sum(r["committed"]) for r in recs) / rounds if rounds else float("nan")
+        budgets = [b for r in recs for b in r["budgets"]]
+        mean_budget = statistics.fmean(budgets) if budgets else 0.0
+        same = [r["matches_ar"] for r in recs if r.get("matches_ar") is not None]
+        same_s = f"{sum(same)}/{len(same)}" if same else "-"
+        lines.append(
+            f"| {t:g} | {dataset} | {method} | {len(recs)} | {ms:.1f} | {speed} | {tau:.2f} | "
+            f"{mean_budget:.1f} | {same_s} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+
+def load_prompt_file(path: str | os.PathLike[str]) -> list[Any]:
+    """Prompts from a JSON-lines file: one object per line with ``turns`` (a list of user
+    messages) or ``prompt`` (one message), and optionally ``id``."""
+    from .data import BenchmarkPrompt
+
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"prompt file {path} does not exist")
+    prompts = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise InvalidInputError(f"{path}, line {i + 1}: not JSON ({exc})") from None
+        turns = (
+            obj.get("turns", [obj["prompt"]] if "prompt" in obj else None)
+            if isinstance(obj, dict)
+            else None
+        )
+        if not turns or not all(isinstance(t, str) and t for t in turns):
+            raise InvalidInputError(
+                f"{path}, line {i + 1}: expected an object with 'turns' (a list of non-empty "
+                "strings) or 'prompt' (a string)"
+            )
+        prompts.append(BenchmarkPrompt(str(obj.get("id", i)), path.stem, list(turns)))
+    if not prompts:
+        raise InvalidInputError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def add_arguments(p: Any) -> None:
+    """The ``caddtree bench`` options."""
+    from .data import BENCHMARKS
+
+    p.add_argument("--target", help="target model (default: the built-in SmolLM2 pair)")
+    p.add_argument("--draft", help="DFlash drafter for --target")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--datasets",
+        nargs="+",
+        metavar="NAME",
+        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)}, or none with --prompts)",
+    )
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="extra prompt files (JSON lines with 'turns' or 'prompt'); the file name is the "
+        "dataset name. With --prompts and no --datasets, only these run",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ar", "dflash", "ddtree", "caddtree"],
+        help="ar, dflash, ddtree (every --budgets), ddtree-B, caddtree, caddtree-VARIANT",
+    )
+    p.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_BUDGETS),
+        help="DDTree budget grid (default 16 ... 1024)",
+    )
+    p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also run the cost-model ablations: caddtree-constant (Table 2) and "
+        "caddtree-cd0.5/cd2/cv0.5/cv2 (Table 3)",
+    )
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="default: 0")
+    p.add_argument("--max-samples", type=int, help="first N prompts of each dataset (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-budget", type=int, default=1024, help="CaDDTree's node cap (default 1024)"
+    )
+    p.add_argument(
+        "--cost-model", help="from `caddtree profile` (default: profile this machine once, cached)"
+    )
+    p.add_argument("--out", default="bench-results/results.jsonl", help="JSON lines results file")
+    p.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed base (temperature > 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cli_main(args: Any) -> int:
+    """``caddtree bench``: see the module docstring."""
+    import shlex
+
+    import torch
+
+    from . import __version__
+    from .api import SpeculativeGenerator, machine_description, resolve_dtype
+    from .cost import load_cost_model
+    from .data import load_benchmark
+
+    if args.max_samples is not None and args.max_samples < 1:
+        raise InvalidInputError(f"--max-samples must be a positive integer, got {args.max_samples}")
+    specs = parse_methods(args.methods, args.budgets, args.ablations)
+    if args.target is None and args.draft is not None:
+        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
+    if args.target is not None and args.draft is None and any(s.family != "ar" for s in specs):
+        raise InvalidInputError("drafting methods need --draft (a DFlash checkpoint)")
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    config = BenchConfig(
+        prompts={},
+        methods=specs,
+        temperatures=args.temperatures,
+        max_new_tokens=args.max_new_tokens,
+        max_budget=args.max_budget,
+        seed=args.seed,
+        warmup=not args.no_warmup,
+    )
+    # load every data set before any model: an unreachable one fails now, not an hour in
+    from .data import BENCHMARKS
+
+    datasets = args.datasets
+    if datasets is None:
+        datasets = [] if args.prompts else list(BENCHMARKS)
+    for name in datasets:
+        config.prompts[name] = load_benchmark(name, max_samples=args.max_samples)
+    for file in args.prompts:
+        items = load_prompt_file(file)
+        config.prompts[Path(file).stem] = items[: args.max_samples] if args.max_samples else items
+    config.validate()
+
+    info = init_distributed(args.device)
+    device = info.device if info.distributed else args.device
+    if args.target is None:
+        from .defaults import default_drafter_dir, default_target_dir
+
+        args.draft, args.target = default_drafter_dir(), default_target_dir()
+        if args.dtype == "auto":  # the built-in drafter was trained on bfloat16 features
+            args.dtype = "bfloat16"
+    needs_draft = any(s.family != "ar" for s in specs)
+    gen = SpeculativeGenerator.from_pretrained(
+        args.target, args.draft if needs_draft else None, dtype=args.dtype, device=device
+    )
+    cost = None
+    if any(s.needs_cost_model for s in specs):
+        if args.cost_model:
+            cost = load_cost_model(args.cost_model)
+        else:  # rank 0 profiles (once per machine, cached); the others then read the cache
+            if info.rank == 0:
+                cost = gen.cached_cost_model()
+            _barrier(info)
+            if cost is None:
+                cost = gen.cached_cost_model()
+    meta = {
+        "target": str(args.target),
+        "draft": str(args.draft) if needs_draft else None,
+        "dtype": str(gen.verifier.dtype),
+        "device_type": gen.verifier.device.type,
+        "machine": machine_description(gen.verifier.device),
+        "torch": torch.__version__,
+        "caddtree": __version__,
+        "threads": torch.get_num_threads(),
+        "cost_model": args.cost_model or "profiled on this machine (cached)",
+        "command": shlex.join(["caddtree", "bench", *sys.argv[2:]])
+        if len(sys.argv) > 1 and sys.argv[1] == "bench"
+        else None,
+    }
+    records = run_bench(
+        gen,
+        config,
+        args.out,
+        cost_model=cost,
+        resume=not args.no_resume,
+        progress=not args.no_progress,
+        dist_info=info,
+        meta=meta,
+    )
+    if info.rank == 0:
+        print(summary_table(records))
+        print(
+            f"\nresults: {args.out} ({len(records)} records); tables and figures: "
+            f"caddtree report {args.out}",
+            file=sys.stderr,
+        )
+    if info.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
