@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test plot
-.venv/bin/ruff check src tests benchmarks
+.venv/bin/ruff check src tests benchmarks scripts
 .venv/bin/python -m pytest -q

@@ -106,6 +106,7 @@ def test_bench_records_are_complete_and_lossless(bench_run):
             assert set(r["budgets"]) == {0} and all(c is None for c in r["confidence"])
         else:
             assert all(c is None or 0 < c <= 1 for c in r["confidence"])
+            assert any(c is not None for c in r["confidence"])
         for path, budget in zip(r["paths"], r["budgets"], strict=True):
             assert all(0 <= i < budget for i in path) and path == sorted(path)
     # the two-turn prompt ran both turns, the second after the model's own first answer
@@ -161,6 +162,35 @@ def test_bench_resumes_without_redoing_work(bench_inputs, bench_run, tmp_path):
     assert main(_args(bench_inputs, out, *METHODS, "--max-new-tokens", "12")) == 2
 
 
+def test_leftover_rank_files_are_folded_in(bench_inputs, bench_run, tmp_path):
+    """An interrupted data-parallel run leaves per-rank files; a later run (here a single
+    process) folds them into the results file instead of losing or re-running them."""
+    out = tmp_path / "results.jsonl"
+    lines = bench_run.read_text().splitlines()
+    out.write_text("\n".join(lines[:5]) + "\n")
+    out.with_name("results.rank0.jsonl").write_text("\n".join(lines[5:12]) + "\n")
+    out.with_name("results.rank3.jsonl").write_text("\n".join(lines[12:]) + "\n")
+    out.with_name("results.meta.json").write_text(
+        bench_run.with_name("results.meta.json").read_text()
+    )
+    out.with_name("results.trees.rank0.jsonl").write_text(trees_path(bench_run).read_text())
+    assert main(_args(bench_inputs, out, *METHODS, "--no-warmup")) == 0
+    assert sorted(out.read_text().splitlines()) == sorted(lines)  # nothing re-run, nothing lost
+    assert not list(tmp_path.glob("results.*rank*.jsonl"))
+    assert trees_path(out).read_text() == trees_path(bench_run).read_text()
+
+
+def test_report_renders_bench_output(bench_run, tmp_path):
+    from caddtree.report import write_report
+
+    files = write_report(bench_run, tmp_path / "report")
+    names = {f.name for f in files}
+    assert {"report.md", "tables.tex"} <= names
+    assert any(n.startswith("fig6") for n in names)  # the trees the bench saved
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "caddtree-constant" in md and "ddtree-6" in md
+
+
 def test_bench_sampling_and_bad_input(bench_inputs, tmp_path, capsys):
     out = tmp_path / "t1.jsonl"
     args = _args(bench_inputs, out, "--methods", "ar", "caddtree", "--temperatures", "1")
@@ -181,9 +211,10 @@ def test_bench_sampling_and_bad_input(bench_inputs, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("caddtree: error:") and "Traceback" not in err
     bad_prompts = tmp_path / "bad.jsonl"
-    bad_prompts.write_text('{"turns": []}\n')
-    assert main([*_args(bench_inputs, out), "--prompts", str(bad_prompts)]) == 2
-    assert "line 1" in capsys.readouterr().err
+    for bad in ('{"turns": []}', '{"turns": "not a list"}', '{"id": 3}'):
+        bad_prompts.write_text(bad + "\n")
+        assert main([*_args(bench_inputs, out), "--prompts", str(bad_prompts)]) == 2
+        assert "line 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")

@@ -142,6 +142,9 @@ def test_resume_is_identical_to_an_uninterrupted_run(target, data, tmp_path):
     )
     state = json.loads((tmp_path / "resumed" / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 7
+    # a step logged after the checkpoint by a killed call is run again, not listed twice
+    with open(tmp_path / "resumed" / "train_log.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": 8, "loss": 99.0}) + "\n")
     train_drafter(
         target,
         data,
@@ -186,3 +189,42 @@ def test_prepare_data_resumes_and_checks_fingerprint(target, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.sequences, full.sequences))
     with pytest.raises(ValueError, match="other prompts"):
         prepare_data(target, tok, prompts[::-1], path, max_new_tokens=6, progress=False)
+
+
+def test_sigterm_saves_a_checkpoint_like_ctrl_c(target, data, tmp_path):
+    """`kill PID` (how background and scheduled jobs are stopped) saves the run like Ctrl-C."""
+    import os
+    import signal
+    import threading
+    import time
+
+    log = tmp_path / "train_log.jsonl"
+
+    def stop_after_first_step() -> None:
+        deadline = time.monotonic() + 120
+
+        def steps_done() -> bool:
+            return log.exists() and bool(log.read_text().strip())
+
+        while not steps_done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if steps_done():  # the handler is installed once steps run
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopper = threading.Thread(target=stop_after_first_step)
+    stopper.start()
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(
+            target,
+            data,
+            tmp_path,
+            config(steps=10**6, save_every=10**6),
+            resume=False,
+            progress=False,
+        )
+    stopper.join()
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] >= 1
+    assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back

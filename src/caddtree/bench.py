@@ -24,11 +24,13 @@ merged ``results.jsonl`` and removes the per-rank files.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import zlib
@@ -64,7 +66,18 @@ ABLATIONS: dict[str, tuple[float, float] | None] = {
 }
 
 # The settings that change the measurements: a resumed run must match the earlier one in these.
-_RUN_KEYS = ("target", "draft", "dtype", "device_type", "max_new_tokens", "max_budget", "seed")
+_RUN_KEYS = (
+    "target",
+    "draft",
+    "dtype",
+    "device_type",
+    "machine",
+    "world_size",
+    "max_new_tokens",
+    "max_budget",
+    "seed",
+    "cost_model_digest",
+)
 
 
 @dataclass(frozen=True)
@@ -188,14 +201,44 @@ def trees_path(out: str | os.PathLike[str]) -> Path:
     return _side_file(Path(out), "trees.jsonl")
 
 
-def _rank_path(out: Path, rank: int) -> Path:
-    return _side_file(out, f"rank{rank}.jsonl")
+def _rank_path(out: Path, rank: int, trees: bool = False) -> Path:
+    return _side_file(out, f"trees.rank{rank}.jsonl" if trees else f"rank{rank}.jsonl")
 
 
-def read_records(path: str | os.PathLike[str], *, repair: bool = False) -> list[dict[str, Any]]:
-    """The records of a results file (empty if it does not exist). A torn last line (from a kill
-    mid-write) is dropped, and with ``repair=True`` also cut from the file; a bad line elsewhere
-    is an error that names it."""
+def _rank_files(out: Path, trees: bool = False) -> list[Path]:
+    """Per-rank files of a data-parallel run (any number of ranks), in rank order."""
+    prefix = re.escape(_side_file(out, "trees." if trees else "").name)
+    pattern = re.compile(prefix + r"rank(\d+)\.jsonl")
+    found = [(m, p) for p in out.parent.iterdir() if (m := pattern.fullmatch(p.name))]
+    return [p for m, p in sorted(found, key=lambda mp: int(mp[0].group(1)))]
+
+
+def _tree_key(rec: dict[str, Any]) -> tuple:
+    return (rec["dataset"], rec["prompt_index"], rec["method"], rec["temperature"], rec["round"])
+
+
+def _consolidate(out: Path) -> None:
+    """Fold what an interrupted run left behind into ``out`` and its trees file: per-rank files
+    (of any number of ranks) and torn last lines. Later records win; the per-rank files go."""
+    for trees, target, key in ((False, out, record_key), (True, trees_path(out), _tree_key)):
+        parts = _rank_files(out, trees)
+        text = target.read_text(encoding="utf-8") if target.is_file() else ""
+        clean = text == "" or text.endswith("\n")
+        if not parts and clean:
+            continue
+        merged: dict[tuple, dict[str, Any]] = {}
+        for source in (target, *parts):
+            for rec in read_records(source):
+                merged[key(rec)] = rec
+        _atomic_write(target, "".join(json.dumps(r) + "\n" for r in merged.values()))
+        for part in parts:
+            part.unlink(missing_ok=True)
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a results (or trees) file, empty if it does not exist. A torn last line
+    (from a kill mid-write) is dropped: that record is run again. A bad line elsewhere is an
+    error that names it."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -215,9 +258,6 @@ def read_records(path: str | os.PathLike[str], *, repair: bool = False) -> list[
                     f"caddtree: dropping an incomplete last line of {path} (it is run again)",
                     file=sys.stderr,
                 )
-                if repair:
-                    good = "".join(ln + "\n" for ln in lines[:i])
-                    _atomic_write(path, good)
                 break
             raise InvalidInputError(f"{path}, line {i + 1}: not a results record ({exc})") from None
         records.append(rec)
@@ -261,8 +301,9 @@ def init_distributed(device: str | None = None) -> DistInfo:
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    want_cuda = device in (None, "auto", "cuda") and torch.cuda.is_available()
-    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+    asks_cuda = device is not None and device.startswith("cuda")
+    want_cuda = (device in (None, "auto") or asks_cuda) and torch.cuda.is_available()
+    if asks_cuda and not torch.cuda.is_available():
         raise InvalidInputError("--device cuda was asked for, but CUDA is not available")
     if want_cuda:
         torch.cuda.set_device(local)
@@ -270,7 +311,11 @@ def init_distributed(device: str | None = None) -> DistInfo:
     else:
         device = "cpu"
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+        # ranks finish at different times (prompts differ in length); the default timeout (10 min
+        # for nccl) would kill the final gather of a long run
+        dist.init_process_group(
+            backend="nccl" if want_cuda else "gloo", timeout=datetime.timedelta(hours=72)
+        )
     return DistInfo(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
 
 
@@ -458,7 +503,14 @@ def _check_meta(out: Path, meta: dict[str, Any], resume: bool) -> None:
         old = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:
         return
-    diff = [k for k in _RUN_KEYS if k in old and old.get(k) != meta.get(k)]
+    # an AR-only run has no drafter: adding drafting methods to it later is fine
+    diff = [
+        k
+        for k in _RUN_KEYS
+        if k in old
+        and old.get(k) != meta.get(k)
+        and not (k in ("draft", "cost_model_digest") and None in (old.get(k), meta.get(k)))
+    ]
     if diff:
         what = ", ".join(f"{k}: {old.get(k)!r} then, {meta.get(k)!r} now" for k in diff)
         raise InvalidInputError(
@@ -500,51 +552,48 @@ def run_bench(
     run_meta.setdefault("max_new_tokens", config.max_new_tokens)
     run_meta.setdefault("max_budget", config.max_budget)
     run_meta.setdefault("seed", config.seed)
+    run_meta.setdefault("world_size", info.world)
+    if needs_cost:
+        digest = json.dumps(cost_model.to_dict(), sort_keys=True, default=str)
+        run_meta["cost_model_digest"] = hashlib.sha256(digest.encode()).hexdigest()[:16]
     _check_meta(out, run_meta, resume)
-    if not resume and info.rank == 0:
-        stem = _side_file(out, "")
-        leftovers = [
-            *out.parent.glob(f"{stem.name}rank*.jsonl"),
-            *out.parent.glob(f"{stem.name}trees.rank*.jsonl"),
-        ]
-        for stale in (out, trees_path(out), *leftovers):
-            stale.unlink(missing_ok=True)
+    if info.rank == 0:
+        if not resume:
+            for stale in (out, trees_path(out), *_rank_files(out), *_rank_files(out, True)):
+                stale.unlink(missing_ok=True)
+        _consolidate(out)
+        old = {}
+        if meta_path(out).is_file():
+            with contextlib.suppress(ValueError):
+                old = json.loads(meta_path(out).read_text(encoding="utf-8"))
+        now = datetime.datetime.now().isoformat(timespec="seconds")
+        run_meta["started"] = old.get("started", now) if resume else now
+        run_meta["updated"] = now
+        _atomic_write(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
     _barrier(info)
 
-    done: dict[tuple, dict[str, Any]] = {}
-    for source in (out, _rank_path(out, info.rank)):
-        for rec in read_records(source, repair=info.rank == 0 or source != out):
-            done[record_key(rec)] = rec
-    if info.rank == 0:
-        _atomic_write(
-            meta_path(out),
-            json.dumps(
-                {
-                    **run_meta,
-                    "updated": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "world_size": info.world,
-                },
-                indent=1,
-                default=str,
-            )
-            + "\n",
-        )
-
+    done = {record_key(rec): rec for rec in read_records(out)}
     items = [
         (t, dataset, i, item)
         for t in config.temperatures
         for dataset, prompts in config.prompts.items()
         for i, item in enumerate(prompts)
     ]
-    mine = [it for k, it in enumerate(items) if k % info.world == info.rank]
+    # split what is left (every rank sees the same results file), so a resumed run stays balanced
+    left = [
+        it
+        for it in items
+        if any((it[1], it[2], s.label, float(it[0])) not in done for s in config.methods)
+    ]
+    mine = left[info.rank :: info.world]
     todo = [
         (it, spec)
         for it in mine
         for spec in config.methods
         if (it[1], it[2], spec.label, float(it[0])) not in done
     ]
-    part = out if not info.distributed else _rank_path(out, info.rank)
-    new_records: list[dict[str, Any]] = []
+    part = _rank_path(out, info.rank) if info.distributed else out
+    tree_part = _rank_path(out, info.rank, trees=True) if info.distributed else trees_path(out)
     if todo:
         if config.warmup:  # untimed: one short prompt per method, so no method pays for warm-up
             t, dataset, i, item = todo[0][0]
@@ -575,22 +624,15 @@ def run_bench(
                 )
                 rec = _record(dataset, i, item, spec, t, outcome)
                 ar = done.get((dataset, i, "ar", float(t)))
-                if ar is not None and t == 0:
+                if ar is not None and t == 0 and spec.family != "ar":
                     rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
-                done[record_key(rec)] = rec
-                new_records.append(rec)
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
-                if keep:
-                    with open(
-                        trees_path(out)
-                        if not info.distributed
-                        else _side_file(out, f"trees.rank{info.rank}.jsonl"),
-                        "a",
-                        encoding="utf-8",
-                    ) as tf:
+                if keep:  # before the record: once the record is there, the run is done
+                    with open(tree_part, "a", encoding="utf-8") as tf:
                         for tr in _tree_records(gen, dataset, i, spec, t, outcome):
                             tf.write(json.dumps(tr) + "\n")
+                done[record_key(rec)] = rec
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
                 bar.update(1)
         bar.close()
     if not info.distributed:
@@ -599,45 +641,30 @@ def run_bench(
 
 
 def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Collect every rank's records on rank 0 and write the merged results file there."""
+    """Collect every rank's records (and draft trees) on rank 0 with ``gather_object``, which
+    works without a shared file system; rank 0 writes the merged files and the per-rank files go."""
     import torch.distributed as dist
 
+    trees = read_records(_rank_path(out, info.rank, trees=True))
     gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
-    dist.gather_object(records, gathered, dst=0)
-    if info.rank != 0:
-        dist.barrier()
-        return records
-    merged: dict[tuple, dict[str, Any]] = {}
-    for part in gathered:
-        for rec in part or []:
-            merged[record_key(rec)] = rec
-    # matches_ar across ranks cannot differ (a work item is one rank's), but fill in any gaps
-    for rec in merged.values():
-        ar = merged.get((rec["dataset"], rec["prompt_index"], "ar", rec["temperature"]))
-        if (
-            rec["matches_ar"] is None
-            and ar is not None
-            and rec["temperature"] == 0
-            and rec is not ar
-        ):
-            rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
-    ordered = sorted(
-        merged.values(), key=lambda r: (r["temperature"], r["dataset"], r["prompt_index"])
-    )
-    _atomic_write(out, "".join(json.dumps(r) + "\n" for r in ordered))
-    tree_lines = []
-    for r in range(info.world):
-        p = _side_file(out, f"trees.rank{r}.jsonl")
-        if p.is_file():
-            tree_lines.append(p.read_text(encoding="utf-8"))
-    if tree_lines:
-        existing = trees_path(out).read_text(encoding="utf-8") if trees_path(out).is_file() else ""
-        _atomic_write(trees_path(out), existing + "".join(tree_lines))
-    for r in range(info.world):
-        _rank_path(out, r).unlink(missing_ok=True)
-        _side_file(out, f"trees.rank{r}.jsonl").unlink(missing_ok=True)
-    dist.barrier()
-    return ordered
+    dist.gather_object((records, trees), gathered, dst=0)
+    if info.rank == 0:
+        merged: dict[tuple, dict[str, Any]] = {}
+        merged_trees = {_tree_key(t): t for t in read_records(trees_path(out))}
+        for recs, trs in gathered:
+            merged.update((record_key(r), r) for r in recs)
+            merged_trees.update((_tree_key(t), t) for t in trs)
+        records = sorted(
+            merged.values(), key=lambda r: (r["temperature"], r["dataset"], r["prompt_index"])
+        )
+        _atomic_write(out, "".join(json.dumps(r) + "\n" for r in records))
+        if merged_trees:
+            text = "".join(json.dumps(t) + "\n" for t in merged_trees.values())
+            _atomic_write(trees_path(out), text)
+    dist.barrier()  # the merged file is complete before any per-rank file goes
+    _rank_path(out, info.rank).unlink(missing_ok=True)
+    _rank_path(out, info.rank, trees=True).unlink(missing_ok=True)
+    return records
 
 
 # ---- a quick summary ------------------------------------------------------------------------------
@@ -697,7 +724,11 @@ def load_prompt_file(path: str | os.PathLike[str]) -> list[Any]:
             if isinstance(obj, dict)
             else None
         )
-        if not turns or not all(isinstance(t, str) and t for t in turns):
+        if (
+            not isinstance(turns, list)
+            or not turns
+            or not all(isinstance(t, str) and t for t in turns)
+        ):
             raise InvalidInputError(
                 f"{path}, line {i + 1}: expected an object with 'turns' (a list of non-empty "
                 "strings) or 'prompt' (a string)"
@@ -710,7 +741,7 @@ def load_prompt_file(path: str | os.PathLike[str]) -> list[Any]:
 
 def add_arguments(p: Any) -> None:
     """The ``caddtree bench`` options."""
-    from .data import BENCHMARKS
+    from .data import PAPER_BENCHMARKS
 
     p.add_argument("--target", help="target model (default: the built-in SmolLM2 pair)")
     p.add_argument("--draft", help="DFlash drafter for --target")
@@ -720,7 +751,8 @@ def add_arguments(p: Any) -> None:
         "--datasets",
         nargs="+",
         metavar="NAME",
-        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)}, or none with --prompts)",
+        help=f"benchmarks to run (default: the paper's {', '.join(PAPER_BENCHMARKS)}; none with "
+        "--prompts). Also: aime24",
     )
     p.add_argument(
         "--prompts",
@@ -779,7 +811,7 @@ def cli_main(args: Any) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         raise InvalidInputError(f"--max-samples must be a positive integer, got {args.max_samples}")
     specs = parse_methods(args.methods, args.budgets, args.ablations)
-    if args.target is None and args.draft is not None:
+    if args.target is None and args.draft is not None:  # cheap checks before any data or model
         raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
     if args.target is not None and args.draft is None and any(s.family != "ar" for s in specs):
         raise InvalidInputError("drafting methods need --draft (a DFlash checkpoint)")
@@ -794,12 +826,12 @@ def cli_main(args: Any) -> int:
         warmup=not args.no_warmup,
     )
     # load every data set before any model: an unreachable one fails now, not an hour in
-    from .data import BENCHMARKS
+    from .data import PAPER_BENCHMARKS, canonical_benchmark_name
 
     datasets = args.datasets
     if datasets is None:
-        datasets = [] if args.prompts else list(BENCHMARKS)
-    for name in datasets:
+        datasets = [] if args.prompts else list(PAPER_BENCHMARKS)
+    for name in dict.fromkeys(canonical_benchmark_name(n) for n in datasets):
         config.prompts[name] = load_benchmark(name, max_samples=args.max_samples)
     for file in args.prompts:
         items = load_prompt_file(file)
@@ -808,12 +840,9 @@ def cli_main(args: Any) -> int:
 
     info = init_distributed(args.device)
     device = info.device if info.distributed else args.device
-    if args.target is None:
-        from .defaults import default_drafter_dir, default_target_dir
+    from .defaults import resolve_model_pair
 
-        args.draft, args.target = default_drafter_dir(), default_target_dir()
-        if args.dtype == "auto":  # the built-in drafter was trained on bfloat16 features
-            args.dtype = "bfloat16"
+    args.target, args.draft, args.dtype = resolve_model_pair(args.target, args.draft, args.dtype)
     needs_draft = any(s.family != "ar" for s in specs)
     gen = SpeculativeGenerator.from_pretrained(
         args.target, args.draft if needs_draft else None, dtype=args.dtype, device=device

@@ -69,19 +69,11 @@ def _tree_demo(args: argparse.Namespace) -> int:
 
 
 def _resolve_pair(args: argparse.Namespace) -> None:
-    """Fill in ``args.target``/``args.draft``: both given, or neither for the built-in pair
-    (SmolLM2-135M-Instruct and its caddtree drafter; ``--dtype auto`` becomes bfloat16, the dtype
-    the drafter was trained on). Call it after the cheap checks: the first use of the built-in
-    target converts it (tens of seconds)."""
-    if args.target is None and args.draft is not None:
-        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
-    if args.target is None:
-        from .defaults import default_drafter_dir, default_target_dir
+    """Fill in ``args.target``/``args.draft`` and ``args.dtype`` (see
+    :func:`caddtree.defaults.resolve_model_pair`)."""
+    from .defaults import resolve_model_pair
 
-        args.draft = default_drafter_dir()
-        args.target = default_target_dir()
-        if args.dtype == "auto":
-            args.dtype = "bfloat16"
+    args.target, args.draft, args.dtype = resolve_model_pair(args.target, args.draft, args.dtype)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -269,6 +261,9 @@ def _train_drafter(args: argparse.Namespace) -> int:
     from .api import eos_token_ids, resolve_dtype
     from .train import TrainConfig, prepare_data, train_drafter
 
+    if args.stop_after is not None and args.stop_after < 1:
+        raise InvalidInputError(f"--stop-after must be a positive integer, got {args.stop_after}")
+
     config = TrainConfig(
         block_size=args.block_size,
         num_layers=args.num_layers,
@@ -322,7 +317,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     )
     timings["data_s"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
-    final = train_drafter(target, data, out, config)
+    final = train_drafter(target, data, out, config, stop_after=args.stop_after)
     timings["train_s"] = round(time.perf_counter() - t0, 1)
     record = {
         "command": "caddtree " + " ".join(sys.argv[1:]) if sys.argv else "",
@@ -503,6 +498,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--feature-layers", type=int, default=3, help="target layers feeding the drafter"
     )
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        help="end this call after N more steps (saving a checkpoint); run again to go on",
+    )
     p.add_argument("--anchors", type=int, default=32, help="blocks per sample per step")
     p.add_argument("--samples-per-step", type=int, default=4)
     p.add_argument("--lr", type=float, default=6e-4)

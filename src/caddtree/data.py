@@ -55,12 +55,14 @@ from .errors import CaddtreeError, InvalidInputError, MissingDependencyError
 
 __all__ = [
     "BENCHMARKS",
+    "PAPER_BENCHMARKS",
     "MATH_INSTRUCTION",
     "BenchmarkPrompt",
     "OverlapIndex",
     "TrainingPromptSet",
     "available_benchmarks",
     "build_training_prompts",
+    "canonical_benchmark_name",
     "humaneval_prompt",
     "load_benchmark",
     "math_prompt",
@@ -353,6 +355,18 @@ _OFFLINE: dict[str, tuple[_WheelData, Callable[[list[Path]], list[BenchmarkPromp
 #: Every benchmark name :func:`load_benchmark` knows; the first six can be read offline.
 BENCHMARKS: tuple[str, ...] = (*_OFFLINE, "mbpp", "alpaca", "livecodebench")
 
+#: The paper's eight evaluation datasets, in the order of its Table 1.
+PAPER_BENCHMARKS: tuple[str, ...] = (
+    "math500",
+    "gsm8k",
+    "aime25",
+    "humaneval",
+    "mbpp",
+    "livecodebench",
+    "mt-bench",
+    "alpaca",
+)
+
 _ALIASES = {
     "mtbench": "mt-bench",
     "math-500": "math500",
@@ -363,6 +377,11 @@ _ALIASES = {
     "lcb": "livecodebench",
     "human-eval": "humaneval",
 }
+
+
+def canonical_benchmark_name(name: str) -> str:
+    """The registry name of benchmark ``name`` ("MATH-500" -> "math500"), or a clear error."""
+    return _canonical(name)
 
 
 def _canonical(name: str) -> str:

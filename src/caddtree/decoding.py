@@ -286,8 +286,11 @@ class GenerationStats:
 
     def to_dict(self, per_round: bool = False) -> dict[str, Any]:
         out = asdict(self)
-        if per_round:
-            out["per_round"] = [asdict(r) for r in self.per_round]
+        if per_round:  # NaN (no draft this round) is not JSON: it becomes None (null)
+            out["per_round"] = [
+                {**asdict(r), "confidence": None if math.isnan(r.confidence) else r.confidence}
+                for r in self.per_round
+            ]
         else:
             out.pop("per_round")
         return out

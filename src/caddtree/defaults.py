@@ -41,12 +41,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import CaddtreeError, CheckpointError, MissingDependencyError
+from .errors import CaddtreeError, CheckpointError, InvalidInputError, MissingDependencyError
 
 __all__ = [
     "DEFAULT_DRAFTER_NAME",
     "DEFAULT_TARGET_NAME",
     "MissingDependencyError",
+    "resolve_model_pair",
     "atomic_directory",
     "cache_key",
     "cache_root",
@@ -427,3 +428,17 @@ def _remove_superseded(current: Path, source: dict[str, Any]) -> None:
             continue
         if marker.get("gguf_file") == source["gguf_file"]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def resolve_model_pair(
+    target: str | os.PathLike[str] | None, draft: str | os.PathLike[str] | None, dtype: str
+) -> tuple[Any, Any, str]:
+    """``(target, draft, dtype)`` for a command: both models given, or neither for the built-in
+    pair (SmolLM2-135M-Instruct and its caddtree drafter; ``dtype="auto"`` becomes bfloat16, the
+    dtype the drafter was trained on). Call it after the cheap checks: the first use of the
+    built-in target converts it (tens of seconds)."""
+    if target is None and draft is not None:
+        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
+    if target is not None:
+        return target, draft, dtype
+    return default_target_dir(), default_drafter_dir(), "bfloat16" if dtype == "auto" else dtype

@@ -330,7 +330,9 @@ def load_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return meta
 
 
-def load_trees(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def load_trees(
+    path: str | os.PathLike[str], notes: list[str] | None = None
+) -> list[dict[str, Any]]:
     """Read and validate the draft trees of ``results.trees.jsonl`` (for Fig. 6).
 
     Each record's ``parents`` must list every node's parent (``-1``: a child of the root, the
@@ -338,8 +340,8 @@ def load_trees(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     child of the root down the tree.
     """
     path = Path(path)
-    out = []
-    for number, rec in _read_jsonl(path, "draft-trees"):
+    out: dict[tuple, dict[str, Any]] = {}  # a resumed run may repeat a round: the last one wins
+    for number, rec in _read_jsonl(path, "draft-trees", notes):
         where = f"{path} line {number}"
         missing = [k for k in TREE_KEYS if k not in rec]
         if missing:
@@ -374,8 +376,9 @@ def load_trees(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     f"{parents[i]}, expected {previous})"
                 )
             previous = i
-        out.append(rec)
-    return out
+        key = (rec["dataset"], rec["prompt_index"], rec["method"], rec["temperature"], rec["round"])
+        out[key] = rec
+    return list(out.values())
 
 
 # ---- aggregation ---------------------------------------------------------------------------------
@@ -1123,6 +1126,10 @@ def plot_budget_histograms(
         s = agg.get(temperature, d, "caddtree")
         assert s is not None
         budgets = [b for r in agg.records[(temperature, d, "caddtree")] for b in r["budgets"]]
+        if not budgets:  # every prompt ended before its first round
+            ax.text(0.5, 0.5, "no rounds", ha="center", va="center", transform=ax.transAxes)
+            ax.set_title(dataset_name(d))
+            continue
         ax.hist(
             budgets,
             bins=_integer_bins(budgets),
@@ -1326,7 +1333,7 @@ def _figures(
             "DDTree-oracle n*.",
         )
     if trees_path.is_file():
-        trees = load_trees(trees_path)
+        trees = load_trees(trees_path, notes)
         groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
         for rec in trees:
             groups.setdefault(

@@ -29,8 +29,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -507,6 +509,11 @@ def train_drafter(
         print(f"resuming from step {start} of {config.steps} ({ckpt})", file=sys.stderr)
 
     log_path = out / "train_log.jsonl"
+    # the file starts as the checkpoint's log: steps run after the last checkpoint by an
+    # interrupted call are run again, and must not appear twice in the learning curve
+    tmp = log_path.with_name(f".{log_path.name}.tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in log), encoding="utf-8")
+    os.replace(tmp, log_path)
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
     bar = tqdm(
         total=config.steps,
@@ -516,6 +523,7 @@ def train_drafter(
         disable=not progress,
     )
     entry: dict[str, Any] = log[-1] if log else {}
+    previous_handler = _terminate_as_interrupt()
     try:
         for step in range(start, end):
             entry = _train_step(trainer, optimizer, train_ids, eval_ids, step)
@@ -533,7 +541,22 @@ def train_drafter(
         raise
     finally:
         bar.close()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     return entry
+
+
+def _terminate_as_interrupt() -> Any:
+    """Make SIGTERM (``kill PID``, a job scheduler's stop) behave like Ctrl-C while training, so
+    a stopped run saves its checkpoint; background jobs started by a shell ignore Ctrl-C's SIGINT.
+    Returns the previous handler (``None`` off the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _resumed_drafter(ckpt: Path, state: dict, config: TrainConfig) -> DFlashDraftModel:
