@@ -31,7 +31,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import zlib
 from collections.abc import Iterable, Sequence
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidInputError
+from .files import atomic_write_text
 
 __all__ = [
     "ABLATIONS",
@@ -230,47 +230,58 @@ def _consolidate(out: Path) -> None:
         for source in (target, *parts):
             for rec in read_records(source):
                 merged[key(rec)] = rec
-        _atomic_write(target, "".join(json.dumps(r) + "\n" for r in merged.values()))
+        atomic_write_text(target, "".join(json.dumps(r) + "\n" for r in merged.values()))
         for part in parts:
             part.unlink(missing_ok=True)
 
 
-def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a results (or trees) file, empty if it does not exist. A torn last line
-    (from a kill mid-write) is dropped: that record is run again. A bad line elsewhere is an
-    error that names it."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    text = path.read_text(encoding="utf-8")
+def parse_jsonl(path: Path, what: str) -> tuple[list[tuple[int, dict[str, Any]]], str | None]:
+    """``(line number, object)`` for every non-blank line of the JSON-lines file ``path``, and a
+    message when its last line was cut off (a kill mid-write, or a run still writing): that line
+    is dropped. A bad line anywhere else is an :class:`InvalidInputError` naming it. Shared by
+    ``caddtree bench`` (resuming) and ``caddtree report`` (reading), which differ only in how they
+    treat a missing file and how they tell the user about a cut-off line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"cannot read {what} file {path}: {exc}") from None
     lines = text.splitlines()
-    records = []
-    for i, line in enumerate(lines):
+    last = max((i for i, line in enumerate(lines, start=1) if line.strip()), default=0)
+    rows: list[tuple[int, dict[str, Any]]] = []
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            if i == len(lines) - 1:  # torn by an interrupted write: that record is redone
-                print(
-                    f"caddtree: dropping an incomplete last line of {path} (it is run again)",
-                    file=sys.stderr,
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == last:
+                return rows, (
+                    f"{path.name} line {number} (the last) is cut off, as an interrupted or "
+                    "still running benchmark leaves it"
                 )
-                break
-            raise InvalidInputError(f"{path}, line {i + 1}: not a results record ({exc})") from None
-        records.append(rec)
-    return records
+            raise InvalidInputError(
+                f"{path} line {number}: not valid JSON ({exc.msg} at column {exc.colno}); fix or "
+                "delete that line"
+            ) from None
+        if not isinstance(obj, dict):
+            raise InvalidInputError(
+                f"{path} line {number}: expected a JSON object (one record per line), "
+                f"got {type(obj).__name__}"
+            )
+        rows.append((number, obj))
+    return rows, None
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a results (or trees) file, empty if it does not exist. A cut-off last line
+    is dropped (see :func:`parse_jsonl`): that record is run again."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows, cut_off = parse_jsonl(path, "results")
+    if cut_off:
+        print(f"caddtree: {cut_off}; dropping it (that record is run again)", file=sys.stderr)
+    return [obj for _, obj in rows]
 
 
 def record_key(rec: dict[str, Any]) -> tuple[str, int, str, float]:
@@ -569,7 +580,7 @@ def run_bench(
         now = datetime.datetime.now().isoformat(timespec="seconds")
         run_meta["started"] = old.get("started", now) if resume else now
         run_meta["updated"] = now
-        _atomic_write(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
+        atomic_write_text(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
     _barrier(info)
 
     done = {record_key(rec): rec for rec in read_records(out)}
@@ -657,10 +668,10 @@ def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[di
         records = sorted(
             merged.values(), key=lambda r: (r["temperature"], r["dataset"], r["prompt_index"])
         )
-        _atomic_write(out, "".join(json.dumps(r) + "\n" for r in records))
+        atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in records))
         if merged_trees:
             text = "".join(json.dumps(t) + "\n" for t in merged_trees.values())
-            _atomic_write(trees_path(out), text)
+            atomic_write_text(trees_path(out), text)
     dist.barrier()  # the merged file is complete before any per-rank file goes
     _rank_path(out, info.rank).unlink(missing_ok=True)
     _rank_path(out, info.rank, trees=True).unlink(missing_ok=True)
@@ -671,33 +682,16 @@ def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[di
 
 
 def summary_table(records: list[dict[str, Any]]) -> str:
-    """A Markdown table: per temperature, dataset and method, the median ms per token, the speed-up
-    over AR (ratio of medians), pooled tau, mean budget and how many outputs equal AR's."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for rec in records:
-        if rec.get("ms_per_token") is None:
-            continue
-        groups.setdefault((rec["temperature"], rec["dataset"], rec["method"]), []).append(rec)
-    lines = [
-        "| T | dataset | method | prompts | ms/token (median) | speed-up vs AR | tau | mean budget "
-        "| same output as AR |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for (t, dataset, method), recs in groups.items():
-        ms = statistics.median(r["ms_per_token"] for r in recs)
-        ar = groups.get((t, dataset, "ar"))
-        speed = f"{statistics.median(r['ms_per_token'] for r in ar) / ms:.2f}x" if ar else "-"
-        rounds = sum(r["rounds"] for r in recs)
-        tau = sum(sum(r["committed"]) for r in recs) / rounds if rounds else float("nan")
-        budgets = [b for r in recs for b in r["budgets"]]
-        mean_budget = statistics.fmean(budgets) if budgets else 0.0
-        same = [r["matches_ar"] for r in recs if r.get("matches_ar") is not None]
-        same_s = f"{sum(same)}/{len(same)}" if same else "-"
-        lines.append(
-            f"| {t:g} | {dataset} | {method} | {len(recs)} | {ms:.1f} | {speed} | {tau:.2f} | "
-            f"{mean_budget:.1f} | {same_s} |"
-        )
-    return "\n".join(lines)
+    """Markdown tables, one per temperature: every method's median ms per token, speed-up over
+    AR, pooled tau, budget and outputs identical to AR's, as ``caddtree report`` computes them
+    (:func:`caddtree.report.aggregate`, :func:`caddtree.report.method_table`)."""
+    from .report import aggregate, method_table
+
+    agg = aggregate(records)
+    return "\n\n".join(
+        f"{table.title}\n\n{table.markdown()}"
+        for table in (method_table(agg, t) for t in agg.temperatures())
+    )
 
 
 # ---- command line ---------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -310,18 +309,9 @@ class CostModel(ABC):
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the model as versioned JSON, atomically (a crash never leaves half a file)."""
-        path = Path(path)
-        text = json.dumps(self.to_dict(), indent=1)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        from .files import atomic_write_text
+
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 class _CurvesPerContext(CostModel):

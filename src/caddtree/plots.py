@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MissingDependencyError
+from .files import atomic_write
 
 __all__ = ["pyplot", "save_figure"]
 
@@ -33,12 +34,10 @@ def save_figure(fig: Any, path: str | os.PathLike[str]) -> Path:
     """Write ``fig`` to ``path`` atomically (a half-written image never replaces a good one), close
     it, and return the path. The format follows the suffix (``.png``, ``.pdf``, ``.svg``)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    fmt = path.suffix.lstrip(".") or None  # the temporary file's name has no useful suffix
     try:
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        os.replace(tmp, path)
+        return atomic_write(
+            path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight")
+        )
     finally:
-        tmp.unlink(missing_ok=True)
         pyplot().close(fig)
-    return path

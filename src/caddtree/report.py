@@ -29,7 +29,6 @@ import importlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CaddtreeError, InvalidInputError, MissingDependencyError
+from .files import atomic_write_text
 from .plots import pyplot, save_figure
 
 __all__ = [
@@ -181,45 +181,23 @@ def _read_jsonl(
 ) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line of a JSON-lines file, or a clear error.
 
-    A last line that does not parse is what an interrupted (or still running) benchmark leaves
-    behind while it writes: it is dropped, with a note in ``notes``, as ``caddtree bench`` itself
-    does on resume. A bad line anywhere else is an error naming it."""
+    A cut-off last line (an interrupted or still running benchmark) is skipped with a note in
+    ``notes``, as ``caddtree bench`` itself does on resume (:func:`caddtree.bench.parse_jsonl`);
+    without ``notes`` it is an error."""
+    from .bench import parse_jsonl
+
     if not path.exists():
         raise InvalidInputError(
             f"{what} file not found: {path} (run `caddtree bench` first, or check the path)"
         )
     if not path.is_file():
         raise InvalidInputError(f"{what} path is not a file: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"cannot read {what} file {path}: {exc}") from None
-    out = []
-    lines = text.splitlines()
-    last = max((i for i, line in enumerate(lines, start=1) if line.strip()), default=0)
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == last and notes is not None:
-                notes.append(
-                    f"{path.name} line {number} (the last) is cut off, as an interrupted or "
-                    "still running benchmark leaves it; it was skipped."
-                )
-                break
-            raise InvalidInputError(
-                f"{path} line {number}: not valid JSON ({exc.msg} at column {exc.colno}); fix or "
-                "delete that line"
-            ) from None
-        if not isinstance(obj, dict):
-            raise InvalidInputError(
-                f"{path} line {number}: expected a JSON object (one record per line), "
-                f"got {type(obj).__name__}"
-            )
-        out.append((number, obj))
-    return out
+    rows, cut_off = parse_jsonl(path, what)
+    if cut_off and notes is None:
+        raise InvalidInputError(f"{cut_off}; fix or delete that line")
+    if cut_off:
+        notes.append(f"{cut_off}; it was skipped.")
+    return rows
 
 
 def _is_int(x: Any) -> bool:
@@ -1269,20 +1247,6 @@ def plot_trees(records: Sequence[dict[str, Any]], path: str | os.PathLike[str]) 
 # ---- the report ----------------------------------------------------------------------------------
 
 
-def _write_text(path: Path, text: str) -> Path:
-    """Write ``text`` atomically: a temporary file in the same folder, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-." else "_" for c in text)
 
@@ -1460,8 +1424,8 @@ def build_report(
     for table in tables:
         tex += [table.latex(), ""]
     written = [
-        _write_text(out / "report.md", "\n".join(md)),
-        _write_text(out / "tables.tex", "\n".join(tex)),
+        atomic_write_text(out / "report.md", "\n".join(md)),
+        atomic_write_text(out / "tables.tex", "\n".join(tex)),
     ]
     return Report(written + [p for p, _ in figures], notes, tables)
 

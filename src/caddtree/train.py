@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError, InvalidInputError
+from .files import atomic_write, atomic_write_text
 from .models.dflash import DFlashDraftModel, check_drafter_fits_target, default_target_layer_ids
 from .models.target import extract_context_features
 
@@ -125,7 +126,9 @@ class TrainingData:
             "lengths": lengths,
             "prompt_lengths": torch.tensor(self.prompt_lengths, dtype=torch.long),
         }
-        _atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"meta": json.dumps(self.meta)}))
+        atomic_write(
+            path, lambda tmp: save_file(tensors, tmp, metadata={"meta": json.dumps(self.meta)})
+        )
 
     @classmethod
     def load(cls, path: Path) -> TrainingData:
@@ -136,19 +139,6 @@ class TrainingData:
             meta = json.loads((fh.metadata() or {}).get("meta", "{}"))
         seqs = list(torch.split(tensors["tokens"], tensors["lengths"].tolist()))
         return cls(seqs, tensors["prompt_lengths"].tolist(), meta)
-
-
-def _atomic(path: Path, write) -> None:
-    """Write ``path`` through a temporary file in the same directory, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @torch.inference_mode()
@@ -511,9 +501,7 @@ def train_drafter(
     log_path = out / "train_log.jsonl"
     # the file starts as the checkpoint's log: steps run after the last checkpoint by an
     # interrupted call are run again, and must not appear twice in the learning curve
-    tmp = log_path.with_name(f".{log_path.name}.tmp")
-    tmp.write_text("".join(json.dumps(e) + "\n" for e in log), encoding="utf-8")
-    os.replace(tmp, log_path)
+    atomic_write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
     bar = tqdm(
         total=config.steps,
@@ -691,7 +679,7 @@ def _cached_features(target, data, layer_ids, path: Path, progress: bool) -> lis
     feats = compute_features(target, data, layer_ids, progress=progress)
     flat = torch.cat(feats)
     lengths = torch.tensor([f.shape[0] for f in feats])
-    _atomic(
+    atomic_write(
         path,
         lambda tmp: save_file({"features": flat, "lengths": lengths}, tmp, metadata={"key": key}),
     )
