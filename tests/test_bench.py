@@ -12,7 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from caddtree.bench import ABLATIONS, parse_methods, read_records, trees_path
+from caddtree.bench import (
+    ABLATIONS,
+    BenchConfig,
+    default_ar_dtypes,
+    load_prompt_file,
+    parse_methods,
+    read_records,
+    run_bench,
+    summary_table,
+    trees_path,
+)
 from caddtree.cli import main
 from caddtree.cost import ConvexCostModel
 from caddtree.errors import InvalidInputError
@@ -72,6 +82,33 @@ def test_parse_methods_expands_the_grid_and_puts_ar_first():
         parse_methods(["ddtree"], budgets=[0])
 
 
+def test_parse_methods_ar_in_other_dtypes():
+    specs = parse_methods(["caddtree", "ar-fp32", "ar-BF16", "ar", "ar-float32", "ar-float64"])
+    # `ar` first (the run's dtype: matches_ar is against it), then the other dtypes; aliases fold
+    assert [s.label for s in specs] == ["ar", "ar-float32", "ar-bfloat16", "ar-float64", "caddtree"]
+    assert [(s.family, s.dtype) for s in specs[:4]] == [
+        ("ar", None),
+        ("ar", "float32"),
+        ("ar", "bfloat16"),
+        ("ar", "float64"),
+    ]
+    assert not any(s.needs_cost_model for s in specs[:4])
+    for bad in (["ar-int8"], ["ar-"], ["ar-auto"]):
+        with pytest.raises(InvalidInputError, match="ar-<dtype>"):
+            parse_methods(bad)
+
+
+def test_default_ar_dtypes():
+    # on a CPU either dtype can be the faster plain decoding: measure the other one too
+    assert default_ar_dtypes("bfloat16", "cpu") == ["float32"]
+    assert default_ar_dtypes("float16", "cpu") == ["float32"]
+    assert default_ar_dtypes("float32", "cpu") == ["bfloat16"]
+    # on a GPU bfloat16 is the faster one; float64 is for exactness tests
+    assert default_ar_dtypes("bfloat16", "cuda") == []
+    assert default_ar_dtypes("float32", "cuda") == ["bfloat16"]
+    assert default_ar_dtypes("float64", "cpu") == []
+
+
 METHODS = ["--methods", "ar", "dflash", "ddtree-2", "ddtree-6", "caddtree", "--ablations"]
 
 
@@ -92,6 +129,7 @@ def test_bench_records_are_complete_and_lossless(bench_run):
     )
     for r in records:
         assert r["dataset"] == "tiny" and r["temperature"] == 0.0
+        assert r["dtype"] == "float64"  # the dtype the target ran in
         # float64 at temperature 0: every method's output is AR's, token for token
         assert r["matches_ar"] is (None if r["method"] == "ar" else True), r["method"]
         n = r["rounds"]
@@ -241,3 +279,112 @@ def test_bench_data_parallel_with_torchrun(bench_inputs, bench_run, tmp_path):
     for r in recs:  # each prompt ran on one rank; the outputs equal the 1-process run's
         assert r["output_sha"] == single[(r["prompt_index"], r["method"])]
         assert r["matches_ar"] is (None if r["method"] == "ar" else True)
+
+
+# ---- plain decoding in other dtypes (the speed-up baseline is the fastest of them) ---------------
+
+
+def test_bench_ar_in_other_dtypes_and_resume(bench_inputs, tmp_path):
+    out = tmp_path / "results.jsonl"
+    assert main(_args(bench_inputs, out, "--methods", "ar", "dflash", "--no-warmup")) == 0
+    first = out.read_text().splitlines()
+    # resuming with more AR dtypes adds only their records, beside the float64 run's
+    methods = ["--methods", "ar", "ar-float32", "ar-float64", "dflash", "--no-warmup"]
+    assert main(_args(bench_inputs, out, *methods)) == 0
+    lines = out.read_text().splitlines()
+    assert lines[: len(first)] == first
+    recs = {(r["prompt_index"], r["method"]): r for r in read_records(out)}
+    assert sorted(recs) == sorted(
+        (i, m) for i in range(2) for m in ("ar", "ar-float32", "ar-float64", "dflash")
+    )
+    for i in range(2):
+        ar, f32, f64 = (recs[(i, m)] for m in ("ar", "ar-float32", "ar-float64"))
+        # each record names the dtype its target really ran in: the float32 copy for ar-float32
+        assert (ar["dtype"], f32["dtype"], f64["dtype"]) == ("float64", "float32", "float64")
+        assert f32["family"] == f64["family"] == "ar" and set(f32["budgets"]) == {0}
+        assert f64["output_sha"] == ar["output_sha"] and f64["matches_ar"] is True
+        # float32 may round differently from float64; whatever it says is checked against `ar`
+        assert f32["matches_ar"] is (f32["output_sha"] == ar["output_sha"])
+        assert f32["new_tokens"] == f32["turns"] + sum(f32["committed"])
+    meta = json.loads(out.with_name("results.meta.json").read_text())
+    assert "float64" in meta["dtype"]  # the run's dtype is still the main one
+    # a run over: nothing is redone
+    assert main(_args(bench_inputs, out, *methods)) == 0
+    assert out.read_text().splitlines() == lines
+
+
+def test_run_bench_uses_the_generator_of_each_dtype(bench_inputs, tmp_path):
+    """``ar_generators`` supplies the target copy of each ``ar-<dtype>``: a separately loaded
+    float64 copy decodes exactly as the main float64 target; a missing copy is an error."""
+    from caddtree import SpeculativeGenerator
+
+    target = bench_inputs["target"]
+    gen = SpeculativeGenerator.from_pretrained(target, None, dtype="float64", device="cpu")
+    copy = SpeculativeGenerator.from_pretrained(target, None, dtype="float64", device="cpu")
+    f32 = SpeculativeGenerator.from_pretrained(target, None, dtype="float32", device="cpu")
+    config = BenchConfig(
+        prompts={"tiny": load_prompt_file(bench_inputs["prompts"])},
+        methods=parse_methods(["ar", "ar-float64"]),
+        max_new_tokens=8,
+        warmup=False,
+    )
+    out = tmp_path / "r.jsonl"
+    recs = run_bench(gen, config, out, progress=False, ar_generators={"float64": copy})
+    by = {(r["prompt_index"], r["method"]): r for r in recs}
+    for i in range(2):
+        assert by[(i, "ar-float64")]["output_sha"] == by[(i, "ar")]["output_sha"]
+        assert by[(i, "ar-float64")]["matches_ar"] is True
+    config.methods = parse_methods(["ar", "ar-float32"])
+    with pytest.raises(InvalidInputError, match="ar-float32 needs a copy of the target in float32"):
+        run_bench(gen, config, tmp_path / "x.jsonl", progress=False)
+    with pytest.raises(InvalidInputError, match="runs in float64, not float32"):
+        run_bench(gen, config, tmp_path / "x.jsonl", progress=False, ar_generators={"float32": gen})
+    recs = run_bench(
+        gen, config, tmp_path / "y.jsonl", progress=False, ar_generators={"float32": f32}
+    )
+    assert {r["method"]: r["dtype"] for r in recs} == {"ar": "float64", "ar-float32": "float32"}
+
+
+def test_default_methods_add_the_other_ar_dtype(bench_inputs, tmp_path):
+    """Without --methods, a float32 run on the CPU also measures plain decoding in bfloat16."""
+    out = tmp_path / "results.jsonl"
+    args = _args(bench_inputs, out, "--budgets", "2", "--max-samples", "1", "--no-warmup")
+    args[args.index("float64")] = "float32"
+    assert main(args) == 0
+    recs = read_records(out)
+    assert {r["method"]: r["dtype"] for r in recs} == {
+        "ar": "float32",
+        "ar-bfloat16": "bfloat16",
+        "dflash": "float32",
+        "ddtree-2": "float32",
+        "caddtree": "float32",
+    }
+
+
+def test_summary_table_speedups_are_against_the_faster_ar(bench_run):
+    """The end-of-run summary, on bench records whose times are set by hand: plain decoding in
+    float32 (8 ms/tok) beats the run's dtype (10 ms/tok), so speed-ups are against it."""
+    times = {"ar": 10.0, "ar-float32": 8.0, "dflash": 5.0, "caddtree": 4.0}
+    recs = []
+    for r in read_records(bench_run):
+        if r["method"] in ("ar", "dflash", "caddtree"):
+            recs.append(r | {"ms_per_token": times[r["method"]]})
+            if r["method"] == "ar":
+                recs.append(
+                    r
+                    | {"method": "ar-float32", "dtype": "float32", "ms_per_token": 8.0}
+                    | {"matches_ar": True}
+                )
+    text = summary_table(recs)
+    assert "speed-up vs fastest AR" in text
+    rows = {
+        cells[1]: cells[2:5]
+        for line in text.splitlines()
+        if (cells := [c.strip() for c in line.strip().strip("|").split("|")])[0] == "tiny"
+    }
+    assert rows == {
+        "ar": ["10.00", "10.00", "0.80×"],
+        "ar-float32 (baseline)": ["8.00", "8.00", "1.00×"],
+        "dflash": ["5.00", "5.00", "1.60×"],
+        "caddtree": ["**4.00**", "4.00", "2.00×"],
+    }

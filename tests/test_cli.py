@@ -186,3 +186,176 @@ def test_generate_needs_a_drafter_for_a_custom_target(capsys, tiny_pair_dirs):
 def test_generate_with_a_missing_model(capsys, tmp_path):
     assert main(["generate", "--target", str(tmp_path / "nothing"), "--method", "ar", "hi"]) == 2
     assert "cannot load the target model" in capsys.readouterr().err
+
+
+def test_train_drafter_on_a_prompt_file_end_to_end(capsys, tiny_pair_dirs, tmp_path):
+    """`caddtree train-drafter --prompts FILE` on the tiny target: data, a draft vocabulary,
+    training and an exported drafter that loads and carries that vocabulary."""
+    target, _ = tiny_pair_dirs
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": f"tell me about {w}"}) for w in ("cats", "dogs", "rain", "sun")]
+    lines.append(json.dumps({"messages": [{"role": "user", "content": "count to five"}]}))
+    prompts.write_text("\n".join(lines) + "\n")
+    out, export = tmp_path / "run", tmp_path / "drafter"
+    argv = ["train-drafter", "--target", str(target), "--output", str(out), "--prompts"]
+    argv += [str(prompts), "--sharegpt", "0", "--code", "0", "--math", "0", "--dtype", "float64"]
+    argv += ["--max-new-tokens", "12", "--steps", "4", "--anchors", "4", "--feature-layers", "2"]
+    argv += ["--draft-vocab-coverage", "0.95", "--export", str(export), "--export-dtype", "float64"]
+    assert main(argv) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["prompts"]["file"] == 5 and run["prompts"]["total"] == 5
+    config = json.loads((export / "config.json").read_text())
+    assert 0 < config["draft_vocab_size"] < 96
+    assert run["draft_vocab"]["size"] == config["draft_vocab_size"]
+    assert run["draft_vocab"]["coverage"] >= 0.95
+    assert (out / "heldout_prompts.jsonl").is_file()
+    assert "draft vocabulary" in capsys.readouterr().err
+
+
+def test_train_drafter_names_the_bad_line_of_a_prompt_file(capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    argv = ["train-drafter", "--output", str(tmp_path / "run"), "--prompts", str(prompts)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "line 2" in err and not (tmp_path / "run").exists()
+
+
+# ---- --compare-ar: warm-up, and the fastest AR as the baseline ------------------------------------
+
+import torch  # noqa: E402
+
+
+def compare_ar_argv(dirs, *extra):
+    """`generate --compare-ar` on the tiny pair, run in float32, dflash, 20 new tokens."""
+    target, draft = dirs
+    argv = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "float32"]
+    argv += ["--device", "cpu", "--method", "dflash", "--max-new-tokens", "20", "--compare-ar"]
+    return [*argv, *extra, "hello there"]
+
+
+def test_ar_baseline_dtypes_rule():
+    from caddtree.api import ar_baseline_dtypes
+    from caddtree.errors import InvalidInputError
+
+    bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    # half precision on the CPU: float32 too; elsewhere, and for full precision, the run's only
+    assert ar_baseline_dtypes("bfloat16", "cpu") == [bf16, fp32]
+    assert ar_baseline_dtypes(fp16, "cpu", None) == [fp16, fp32]
+    assert ar_baseline_dtypes("float32", "cpu") == [fp32]
+    assert ar_baseline_dtypes("float64", "cpu") == [fp64]
+    assert ar_baseline_dtypes("bfloat16", "cuda") == [bf16]
+    assert ar_baseline_dtypes("bfloat16", "cpu", "same") == [bf16]
+    # an explicit list: the run's dtype first, then the list in order, without duplicates
+    assert ar_baseline_dtypes("bf16", "cpu", ["float64", "bfloat16", "fp64", "float32"]) == [
+        bf16,
+        fp64,
+        fp32,
+    ]
+    assert ar_baseline_dtypes("float32", "cuda", ["float32"]) == [fp32]
+    for bad in (["int8"], "fastest", ["float32", "auto"]):
+        with pytest.raises(InvalidInputError):
+            ar_baseline_dtypes("float32", "cpu", bad)
+
+
+def test_compare_ar_json_reports_every_ar_dtype_against_the_fastest(capsys, tiny_pair_dirs):
+    assert main(compare_ar_argv(tiny_pair_dirs, "--ar-dtypes", "float64", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "dflash" and out["dtype"] == "float32"
+    ar, ar64 = out["ar"], out["ar_float64"]
+    assert (ar["method"], ar["dtype"]) == ("ar", "float32")
+    assert (ar64["method"], ar64["dtype"]) == ("ar", "float64")
+    # the lossless check is against AR in the run's dtype: float32 reproduces it exactly
+    assert out["token_ids"] == ar["token_ids"] and out["divergence"] is None
+    assert ar64["same_tokens_as_method"] == (ar64["token_ids"] == out["token_ids"])
+    assert "same_tokens_as_method" not in ar
+    ms = {key: out[key]["stats"]["ms_per_token"] for key in ("ar", "ar_float64")}
+    assert all(v > 0 for v in ms.values())
+    assert out["baseline"] == min(ms, key=ms.get)
+    method_ms = out["stats"]["ms_per_token"]
+    assert out["speedup_over_ar"] == ms[out["baseline"]] / method_ms
+    assert out["speedup_over_same_dtype_ar"] == ms["ar"] / method_ms
+    assert out["speedup_over_ar"] <= out["speedup_over_same_dtype_ar"]
+
+
+def test_compare_ar_text_names_the_baseline(capsys, tiny_pair_dirs):
+    assert main(compare_ar_argv(tiny_pair_dirs, "--ar-dtypes", "float64", "--no-stream")) == 0
+    err = capsys.readouterr().err.splitlines()
+    ms = {}
+    for line in err:
+        if line.startswith("["):
+            head, _, rest = line.partition("] ")
+            ms[head[1:]] = float(rest.split(" ms/token")[0].split()[-1])
+    assert set(ms) == {"dflash float32", "ar float32", "ar float64"}
+    marked = [line for line in err if line.endswith("<- baseline (fastest AR)")]
+    assert len(marked) == 1 and marked[0].startswith("[ar ")
+    base = marked[0][1 : marked[0].index("]")]
+    other = ({"ar float32", "ar float64"} - {base}).pop()
+    assert ms[base] <= ms[other]
+    (speed,) = [line for line in err if line.startswith("speed-up of dflash over AR")]
+    # "speed-up of dflash over AR, same run: 1.23x against AR in float64, the fastest AR (...)"
+    assert f"against AR in {base.split()[1]}, the fastest AR" in speed
+    factor = float(speed.split("same run: ")[1].split("x")[0])
+    # the printed ms have one decimal: compare with the ratio of the printed numbers, loosely
+    assert factor == pytest.approx(ms[base] / ms["dflash float32"], rel=0.1, abs=0.06)
+    assert f"against AR in {other.split()[1]})" in speed
+    (check,) = [line for line in err if line.startswith("lossless check against AR in float32: ")]
+    assert "identical output" in check and "AR in float64 gives" in check
+
+
+def test_compare_ar_on_cpu_adds_a_float32_baseline_for_bfloat16(capsys, tiny_pair_dirs):
+    argv = compare_ar_argv(tiny_pair_dirs, "--json")
+    argv[argv.index("float32")] = "bfloat16"
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "bfloat16" and out["ar"]["dtype"] == "bfloat16"
+    assert out["ar_float32"]["dtype"] == "float32"
+    assert out["baseline"] in ("ar", "ar_float32")
+    # the divergence report (if any) is about AR in bfloat16, the lossless reference
+    assert out["divergence"] is None or out["divergence"]["dtype"] == "bfloat16"
+    assert (out["divergence"] is None) == (out["token_ids"] == out["ar"]["token_ids"])
+    # --ar-dtypes same: no float32 copy
+    assert main([*argv[:-1], "--ar-dtypes", "same", argv[-1]]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "ar_float32" not in out and out["baseline"] == "ar"
+    assert out["speedup_over_ar"] == out["speedup_over_same_dtype_ar"]
+
+
+def test_compare_ar_warms_up_every_run_before_timing(capsys, tiny_pair_dirs, monkeypatch):
+    from caddtree import SpeculativeGenerator
+
+    original = SpeculativeGenerator.generate
+    calls = []
+
+    def generate(self, prompt, method="caddtree", **kwargs):
+        calls.append((method, str(self.verifier.dtype), kwargs["max_new_tokens"], prompt))
+        return original(self, prompt, method, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", generate)
+    assert main(compare_ar_argv(tiny_pair_dirs, "--ar-dtypes", "float64", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = "hello there"
+    warm = [("dflash", "torch.float32", 8, p), ("ar", "torch.float32", 8, p)]
+    warm.append(("ar", "torch.float64", 8, p))
+    timed = [(m, d, 20, p) for m, d, _, _ in warm]
+    assert calls == warm + timed
+    assert len(out["token_ids"]) == len(out["ar_float64"]["token_ids"]) == 20
+    # without --compare-ar nothing is timed against anything: no warm-up
+    calls.clear()
+    argv = compare_ar_argv(tiny_pair_dirs, "--json")
+    argv.remove("--compare-ar")
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert calls == [("dflash", "torch.float32", 20, p)]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "ar", "--ar-dtypes", "float32"], "only applies with --compare-ar"),
+        (["--method", "dflash", "--compare-ar", "--ar-dtypes", "int8"], "unknown dtype"),
+        (["--method", "dflash", "--compare-ar", "--ar-dtypes", "float32,same"], "cannot be mixed"),
+    ],
+)
+def test_compare_ar_dtype_errors(capsys, tiny_pair_dirs, extra, message):
+    assert message in failing_generate(capsys, tiny_pair_dirs, *extra, "hi")

@@ -20,8 +20,10 @@ from caddtree.report import (
     confidence_analysis,
     load_results,
     load_trees,
+    method_table,
     rejected_subtrees,
     side_file,
+    table1,
     write_report,
 )
 
@@ -31,13 +33,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def record(dataset, index, method, ms, committed, budgets=None, temperature=0.0, **extra):
     """One results record in the `caddtree bench` schema."""
     family, budget, variant = method, None, None
-    if method.startswith("ddtree-"):
+    if method.startswith("ar-"):  # plain decoding in another dtype
+        family = "ar"
+    elif method.startswith("ddtree-"):
         family, budget = "ddtree", int(method.split("-")[1])
     elif method.startswith("caddtree-"):
         family, variant = "caddtree", method.removeprefix("caddtree-")
     rounds = len(committed)
     if budgets is None:
-        budgets = [budget or (0 if method == "ar" else 15)] * rounds
+        budgets = [budget or (0 if family == "ar" else 15)] * rounds
     rec = {
         "dataset": dataset,
         "prompt_index": index,
@@ -58,7 +62,7 @@ def record(dataset, index, method, ms, committed, budgets=None, temperature=0.0,
         "accepted": [c - 1 for c in committed],
         "committed": committed,
         "context_lengths": list(range(10, 10 + rounds)),
-        "confidence": [None if method == "ar" else 0.5] * rounds,
+        "confidence": [None if family == "ar" else 0.5] * rounds,
         "paths": [list(range(c - 1)) for c in committed],
         "matches_ar": None,
         "stop_reason": "max_new_tokens",
@@ -461,6 +465,7 @@ def test_missing_keys_are_named(tmp_path):
             "positive integer for a DDTree",
         ),
         ({"paths": [["a"]]}, "'paths' must be a list of valid per-round values"),
+        ({"dtype": 16}, "'dtype' must be null or a string"),
     ],
 )
 def test_malformed_values_are_rejected(tmp_path, change, message):
@@ -475,6 +480,119 @@ def test_empty_results_file(tmp_path):
     path.write_text("\n")
     with pytest.raises(InvalidInputError, match="holds no records"):
         load_results(path)
+
+
+# ---- AR in several dtypes: speed-ups against the fastest --------------------------------------------
+
+
+def dtype_records():
+    """A bfloat16 run that also measured plain decoding in float32 (``ar-float32``)."""
+    recs = []
+    # GSM8K: AR bf16 per-prompt 31, 32, 35: median 32 (mean 32.67); AR fp32 29, 30, 40: median 30
+    # (mean 33). fp32 is the faster plain decoding by median (not by mean): the baseline.
+    # CaDDTree median 8: speed-up 30 / 8 = 3.75 (it would be 32 / 8 = 4.00 against bf16 AR).
+    for i, (bf16, fp32) in enumerate([(31.0, 29.0), (32.0, 30.0), (35.0, 40.0)]):
+        recs.append(record("gsm8k", i, "ar", bf16, [1, 1], dtype="bfloat16"))
+        recs.append(
+            record("gsm8k", i, "ar-float32", fp32, [1, 1], dtype="float32", matches_ar=i != 2)
+        )
+        recs.append(record("gsm8k", i, "dflash", 12.0, [3], dtype="bfloat16"))
+        recs.append(record("gsm8k", i, "ddtree-4", 9.0, [3, 3], dtype="bfloat16"))
+        recs.append(record("gsm8k", i, "ddtree-8", 10.0, [3, 3], dtype="bfloat16"))
+        recs.append(record("gsm8k", i, "caddtree", 8.0, [4], budgets=[12], dtype="bfloat16"))
+    # MATH-500: here bf16 AR (20) beats fp32 AR (25): CaDDTree's speed-up is 20 / 10 = 2.00
+    for i in range(3):
+        recs.append(record("math500", i, "ar", 20.0, [1], dtype="bfloat16"))
+        recs.append(record("math500", i, "ar-float32", 25.0, [1], dtype="float32"))
+        recs.append(record("math500", i, "caddtree", 10.0, [3, 3], budgets=[40, 60]))
+    return recs
+
+
+def test_speedups_are_against_the_faster_ar_dtype():
+    agg = aggregate(dtype_records())
+    assert [s.method for s in agg.ar_runs(0.0, "gsm8k")] == ["ar", "ar-float32"]
+    assert agg.ar_labels(0.0) == ["ar", "ar-float32"]
+    assert agg.get(0.0, "gsm8k", "ar").dtype == "bfloat16"
+    assert agg.get(0.0, "gsm8k", "ar-float32").dtype == "float32"
+    assert agg.baseline(0.0, "gsm8k").method == "ar-float32"
+    assert agg.baseline(0.0, "math500").method == "ar"
+    ca = agg.get(0.0, "gsm8k", "caddtree")
+    assert ca.baseline == "ar-float32" and ca.speedup == pytest.approx(30 / 8)
+    assert agg.get(0.0, "gsm8k", "ar").speedup == pytest.approx(30 / 32)
+    assert agg.get(0.0, "gsm8k", "ddtree-4").speedup == pytest.approx(30 / 9)
+    math = agg.get(0.0, "math500", "caddtree")
+    assert math.baseline == "ar" and math.speedup == pytest.approx(20 / 10)
+    assert agg.get(0.0, "math500", "ar-float32").speedup == pytest.approx(20 / 25)
+    assert (
+        "GSM8K at temperature 0: speed-ups are against ar-float32 (30.00 ms/tok), the fastest "
+        "plain decoding (ar: 32.00 ms/tok)."
+    ) in agg.notes
+    assert any(
+        n.startswith("MATH-500 at temperature 0: speed-ups are against ar (20.00")
+        for n in agg.notes
+    )
+    # ties go to `ar`, the run's own dtype
+    tie = aggregate([record("x", 0, "ar", 5.0, [1]), record("x", 0, "ar-float32", 5.0, [1])])
+    assert tie.baseline(0.0, "x").method == "ar"
+
+
+def test_tables_show_every_ar_dtype_and_name_the_baseline(tmp_path):
+    path = write_jsonl(tmp_path / "results.jsonl", dtype_records())
+    out = tmp_path / "report"
+    files = write_report(path, out)
+    assert "fig2_time_vs_budget_T0.png" in {p.name for p in files}  # AR lines for both dtypes
+    md = (out / "report.md").read_text()
+    t1 = section(md, "Table 1")
+    header = table_row(t1, "Dataset")
+    assert header[1:3] == ["AR bfloat16 ms/tok", "AR float32 ms/tok"]
+    assert header[-2:] == ["CaDDTree speed-up vs fastest AR", "fastest AR"]
+    gsm = table_row(t1, "GSM8K")
+    assert gsm == [
+        "GSM8K",
+        "32.00",
+        "30.00",
+        "12.00",
+        "3.00",
+        "9.00",
+        "3.00",
+        "4",
+        "**8.00**",
+        "4.00",
+        "12.0 (0.0)",
+        "3.75×",
+        "ar-float32",
+    ]
+    math_row = table_row(t1, "MATH-500")
+    assert math_row[1:3] == ["20.00", "25.00"] and math_row[-2:] == ["2.00×", "ar"]
+    tex = (out / "tables.tex").read_text()
+    assert r"\multicolumn{2}{c}{\textbf{AR} ms/tok}" in tex
+    assert r"\cmidrule(lr){2-3}\cmidrule(lr){4-5}\cmidrule(lr){6-8}\cmidrule(lr){9-11}" in tex
+    assert r"\textbf{Dataset} & bfloat16 & float32 & ms/tok" in tex
+    assert r"\begin{tabular}{l cc cc ccc ccc}" in tex
+    # the faster AR carries the dagger; the speed-up columns are Markdown-only
+    assert (
+        r"GSM8K & 32.00 & 30.00$^\dagger$ & 12.00 & 3.00 & 9.00 & 3.00 & 4 & \textbf{8.00} & 4.00 "
+        r"& $12.0\,(0.0)$ \\"
+    ) in tex
+    assert r"MATH-500 & 20.00$^\dagger$ & 25.00 & -- & " in tex
+    full = section(md, "All methods, temperature 0")
+    assert "speed-up vs fastest AR" in full
+    assert "| GSM8K | ar | 32.00 | 32.67 | 0.94× | 1.00 | – | 3 | – |" in full
+    assert "| GSM8K | ar-float32 (baseline) | 30.00 | 33.00 | 1.00× | 1.00 | – | 3 | 2/3 |" in full
+    assert "| GSM8K | caddtree | **8.00** | 8.00 | 3.75× |" in full
+    assert "| MATH-500 | ar (baseline) | 20.00 |" in full
+    assert "| MATH-500 | ar-float32 | 25.00 | 25.00 | 0.80× |" in full
+    assert "speed-ups are against ar-float32" in section(md, "Notes")
+
+
+def test_only_ar_keeps_the_single_ar_column(results):
+    """Without AR in other dtypes, Table 1 and the full table keep their one-AR format."""
+    agg = aggregate(load_results(results))
+    t1 = table1(agg, 0.0)
+    assert t1.columns[1] == "AR ms/tok" and t1.columns[-1] == "CaDDTree speed-up vs AR"
+    assert len(t1.columns) == 11 and t1.latex_spec == "l c cc ccc ccc"
+    assert "speed-up vs AR" in method_table(agg, 0.0).columns
+    assert not any("fastest plain decoding" in n for n in agg.notes)
 
 
 # ---- command line --------------------------------------------------------------------------------

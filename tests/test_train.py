@@ -15,11 +15,12 @@ from caddtree.train import (
     TrainConfig,
     TrainingData,
     build_training_batch,
+    compute_features,
     generate_responses,
     prepare_data,
     train_drafter,
 )
-from tiny_models import MASK_TOKEN_ID, qwen3_target
+from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
 
 
@@ -85,8 +86,8 @@ def test_training_batch_masks_blocks():
     assert (batch["block_tokens"].view(3, B)[:, 1:] == 99).all()
     assert batch["position_ids"][0, T:].view(3, B)[:, 0].tolist() == anchors.tolist()
     # labels: the next B-1 tokens, -100 past the end
-    assert batch["labels"][0].tolist() == tokens[6:9].tolist()
-    assert batch["labels"][2].tolist() == [tokens[18].item(), tokens[19].item(), -100]
+    assert batch["labels"][0, 0].tolist() == tokens[6:9].tolist()
+    assert batch["labels"][0, 2].tolist() == [tokens[18].item(), tokens[19].item(), -100]
 
 
 def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path):
@@ -228,3 +229,115 @@ def test_sigterm_saves_a_checkpoint_like_ctrl_c(target, data, tmp_path):
     assert state["step"] >= 1
     assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_batch_of_several_sequences_pads_without_leaking():
+    a, b = torch.arange(10, 30), torch.arange(50, 62)  # T = 20 and 12
+    batch = build_training_batch(
+        [a, b], [torch.tensor([5, 12, 17]), torch.tensor([3])], 4, 99, torch.float32
+    )
+    B, T, M = 4, 20, 3
+    assert batch["block_tokens"].shape == (2, M * B)
+    assert batch["attention_mask"].shape == (2, 1, M * B, T + M * B)
+    single = build_training_batch(b, torch.tensor([3]), 4, 99, torch.float32)
+    visible = batch["attention_mask"][1, 0] == 0
+    # the short sequence's one block sees what it sees alone: context < 3 and its own 4 positions
+    own = single["attention_mask"][0, 0] == 0  # [4, 12 + 4]
+    assert torch.equal(visible[:B, :12], own[:, :12]) and not visible[:B, 12:T].any()
+    assert torch.equal(visible[:B, T : T + B], own[:, 12:])
+    assert not visible[:B, T + B :].any()
+    assert batch["labels"][1, 0].tolist() == b[4:7].tolist()
+    assert (batch["labels"][1, 1:] == -100).all()  # padding blocks are never scored
+    assert batch["position_ids"][1, T : T + B].tolist() == [3, 4, 5, 6]
+    assert torch.equal(
+        batch["labels"][0],
+        build_training_batch(a, torch.tensor([5, 12, 17]), 4, 99, torch.float32)["labels"][0],
+    )
+
+
+def test_training_with_a_draft_vocabulary_and_bfloat16(target, data, tmp_path):
+    train_drafter(
+        target,
+        data,
+        tmp_path,
+        config(steps=300, draft_vocab_coverage=0.9, precision="bfloat16"),
+        resume=False,
+        progress=False,
+        stop_token_ids=[1],
+    )
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "checkpoint", dtype=torch.float64)
+    ids = drafter.draft_token_ids.tolist()
+    responses = torch.cat([s[p:] for s, p in zip(data.sequences, data.prompt_lengths)])
+    covered = torch.isin(responses, torch.tensor(ids)).float().mean().item()
+    assert covered >= 0.9 and 1 in ids and len(ids) < VOCAB
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert sum(e["loss"] for e in log[-10:]) < 0.9 * sum(e["loss"] for e in log[:10])
+    prompt = data.sequences[1][: data.prompt_lengths[1]].tolist()
+    verifier = TreeVerifier(target, drafter.target_layer_ids)
+    ar = decode(verifier, prompt, make_policy("ar"), max_new_tokens=20)
+    dd = decode(
+        verifier,
+        prompt,
+        make_policy("ddtree", budget=8),
+        proposer=DFlashProposer(drafter, target),
+        max_new_tokens=20,
+    )
+    assert dd.token_ids == ar.token_ids
+
+
+def test_memorised_samples_decode_in_whole_blocks(target, data, tmp_path):
+    """The guard against a train/inference mismatch: a drafter trained until it memorises a few
+    samples must draft them almost perfectly through the real decoding loop. A misaligned
+    feature, position or label keeps acceptance near zero however long it trains."""
+    few = TrainingData(data.sequences[:4], data.prompt_lengths[:4])
+    cfg = config(
+        steps=400,
+        num_layers=2,
+        anchors_per_sample=24,
+        samples_per_step=4,
+        learning_rate=3e-3,
+        eval_fraction=0.0,
+        save_every=400,
+    )
+    train_drafter(target, few, tmp_path, cfg, resume=False, progress=False)
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "checkpoint", dtype=torch.float64)
+    verifier = TreeVerifier(target, drafter.target_layer_ids)
+    for seq, plen in zip(few.sequences, few.prompt_lengths):
+        result = decode(
+            verifier,
+            seq[:plen].tolist(),
+            make_policy("dflash"),
+            proposer=DFlashProposer(drafter, target),
+            max_new_tokens=len(seq) - plen,
+        )
+        assert result.token_ids == seq[plen:].tolist()
+        full_rounds = result.stats.per_round[:-1]  # the last round is cut by max_new_tokens
+        tau = sum(r.committed for r in full_rounds) / len(full_rounds)
+        assert tau >= 0.8 * cfg.block_size, tau
+
+
+def test_prepare_data_grows_when_prompts_are_appended(target, tmp_path):
+    tok = tiny_tokenizer(MASK_TOKEN_ID)
+    path = tmp_path / "data.safetensors"
+    first = prepare_data(target, tok, ["hello", "abc"], path, max_new_tokens=5, progress=False)
+    grown = prepare_data(
+        target,
+        tok,
+        ["hello", "abc", [{"role": "user", "content": "zz"}]],
+        path,
+        max_new_tokens=5,
+        progress=False,
+    )
+    assert len(grown.sequences) == 3
+    assert all(torch.equal(a, b) for a, b in zip(first.sequences, grown.sequences))
+    with pytest.raises(ValueError, match="other prompts or settings"):
+        prepare_data(target, tok, ["hello", "abc"], path, max_new_tokens=6, progress=False)
+
+
+def test_batched_features_equal_one_sequence_at_a_time(target, data):
+    few = TrainingData(data.sequences[:7], data.prompt_lengths[:7])
+    batched = compute_features(target, few, [0, 2], max_batch_tokens=64, progress=False)
+    for seq, feats in zip(few.sequences, batched):
+        single = compute_features(target, TrainingData([seq], [1]), [0, 2], progress=False)[0]
+        assert feats.shape == (len(seq), 2 * 32)
+        torch.testing.assert_close(feats, single, rtol=0, atol=1e-10)

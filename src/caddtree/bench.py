@@ -8,6 +8,13 @@ say whether its output is identical to AR's. Results are JSON lines, one record 
 ``results.meta.json`` (the settings and the machine) and ``results.trees.jsonl`` (two CaDDTree
 draft trees per dataset, for the report's Figure 6).
 
+The AR baseline. Speed-ups are against the fastest plain decoding a user could pick on the
+machine, and on a CPU that is not always the run's dtype (bfloat16 AR can be slower than float32
+AR). ``ar`` is plain decoding in the run's ``--dtype``; ``ar-<dtype>`` (``ar-float32``,
+``ar-bfloat16``, ...) is plain decoding of a second copy of the target in that dtype, in the same
+run and on the same prompts; each record names its ``dtype``. ``caddtree report`` (and the summary
+printed at the end) computes speed-ups against the fastest of them.
+
 Resuming. Running again with the same ``--out`` skips every record already there, so an
 interrupted run continues where it stopped; a torn last line (a kill mid-write) is dropped. The
 settings that change the numbers (model pair, dtype, max new tokens, ...) must match the earlier
@@ -43,9 +50,12 @@ from .files import atomic_write_text
 
 __all__ = [
     "ABLATIONS",
+    "AR_DTYPES",
     "DEFAULT_BUDGETS",
+    "DEFAULT_METHODS",
     "BenchConfig",
     "MethodSpec",
+    "default_ar_dtypes",
     "init_distributed",
     "parse_methods",
     "read_records",
@@ -54,6 +64,24 @@ __all__ = [
 ]
 
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
+
+DEFAULT_METHODS = ("ar", "dflash", "ddtree", "caddtree")
+"""``--methods`` when it is not given; :func:`default_ar_dtypes` adds plain decoding in another
+dtype to it."""
+
+AR_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float64": "float64",
+    "fp64": "float64",
+    "double": "float64",
+}
+"""Dtype names ``ar-<dtype>`` accepts, and the canonical name each one stands for."""
 
 # CaDDTree cost-model variants of the paper's ablations: Table 2 (constant C_v) and Table 3
 # (C_d and C_v scaled by 0.5 and 2).
@@ -82,14 +110,17 @@ _RUN_KEYS = (
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One benchmarked method: ``label`` names it in the results (``ddtree-16``, ``caddtree-cv2``),
-    ``family`` is the decoding method, ``budget`` DDTree's node budget, ``variant`` the CaDDTree
-    cost-model ablation (``None`` = the cost model as profiled)."""
+    """One benchmarked method: ``label`` names it in the results (``ddtree-16``, ``caddtree-cv2``,
+    ``ar-float32``), ``family`` is the decoding method, ``budget`` DDTree's node budget,
+    ``variant`` the CaDDTree cost-model ablation (``None`` = the cost model as profiled), ``dtype``
+    the dtype of the target copy plain decoding runs in (``ar-<dtype>``; ``None`` = the run's
+    dtype)."""
 
     label: str
     family: str
     budget: int | None = None
     variant: str | None = None
+    dtype: str | None = None
 
     @property
     def needs_cost_model(self) -> bool:
@@ -101,9 +132,11 @@ def parse_methods(
     budgets: Sequence[int] = DEFAULT_BUDGETS,
     ablations: bool = False,
 ) -> list[MethodSpec]:
-    """Method specs from names: ``ar``, ``dflash``, ``ddtree`` (one per budget in ``budgets``),
-    ``ddtree-<B>``, ``caddtree`` and ``caddtree-<variant>`` (see :data:`ABLATIONS`).
-    ``ablations=True`` adds every CaDDTree variant. AR comes first, duplicates are dropped."""
+    """Method specs from names: ``ar``, ``ar-<dtype>`` (plain decoding of a copy of the target in
+    that dtype, see :data:`AR_DTYPES`; ``ar-fp32`` is labelled ``ar-float32``), ``dflash``,
+    ``ddtree`` (one per budget in ``budgets``), ``ddtree-<B>``, ``caddtree`` and
+    ``caddtree-<variant>`` (see :data:`ABLATIONS`). ``ablations=True`` adds every CaDDTree
+    variant. AR comes first (``ar`` itself, then the other dtypes), duplicates are dropped."""
     for b in budgets:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise InvalidInputError(f"DDTree budgets must be positive integers, got {b!r}")
@@ -121,6 +154,9 @@ def parse_methods(
         key = str(name).strip().lower()
         if key in ("ar", "dflash", "caddtree"):
             add(MethodSpec(key, key))
+        elif key.startswith("ar-") and key[3:] in AR_DTYPES:
+            dtype = AR_DTYPES[key[3:]]
+            add(MethodSpec(f"ar-{dtype}", "ar", dtype=dtype))
         elif key == "ddtree":
             for b in budgets:
                 add(MethodSpec(f"ddtree-{b}", "ddtree", budget=int(b)))
@@ -130,11 +166,26 @@ def parse_methods(
             add(MethodSpec(key, "caddtree", variant=key[9:]))
         else:
             raise InvalidInputError(
-                f"unknown method {name!r}; use ar, dflash, ddtree, ddtree-<budget>, caddtree or "
-                f"caddtree-<variant> with a variant in {', '.join(ABLATIONS)}"
+                f"unknown method {name!r}; use ar, ar-<dtype> (a dtype in "
+                f"{', '.join(sorted(set(AR_DTYPES.values())))}), dflash, ddtree, ddtree-<budget>, "
+                f"caddtree or caddtree-<variant> with a variant in {', '.join(ABLATIONS)}"
             )
-    ordered = sorted(specs.values(), key=lambda s: s.family != "ar")
-    return ordered
+    return sorted(specs.values(), key=lambda s: (s.family != "ar", s.label != "ar"))
+
+
+def default_ar_dtypes(dtype: str, device_type: str) -> list[str]:
+    """The dtypes of the plain-decoding baselines that the default ``--methods`` adds next to
+    ``ar`` for a run in ``dtype`` (a canonical name, e.g. ``"bfloat16"``) on ``device_type``.
+
+    On a CPU either of float32 and bfloat16 can be the faster plain decoding (it depends on the
+    model and on the CPU's bfloat16 support), so the other one is measured too: ``float32`` for
+    a bfloat16 or float16 run, ``bfloat16`` for a float32 run. On a GPU bfloat16 is the faster
+    one, so only a float32 run gets ``bfloat16``. A float64 run (exactness tests) gets none."""
+    if dtype == "float64":
+        return []
+    if device_type == "cpu":
+        return ["bfloat16"] if dtype == "float32" else ["float32"]
+    return ["bfloat16"] if dtype == "float32" else []
 
 
 def variant_cost_model(cost_model: Any, variant: str | None) -> Any:
@@ -428,8 +479,19 @@ def _digest(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:20]
 
 
+def _dtype_name(gen: Any) -> str:
+    """The canonical name of the dtype ``gen``'s target runs in (``"bfloat16"``)."""
+    return str(gen.verifier.dtype).removeprefix("torch.")
+
+
 def _record(
-    dataset: str, index: int, item: Any, spec: MethodSpec, temperature: float, out: _Outcome
+    dataset: str,
+    index: int,
+    item: Any,
+    spec: MethodSpec,
+    temperature: float,
+    out: _Outcome,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     rounds = out.rounds
     committed = [r.committed for r in rounds]
@@ -441,6 +503,7 @@ def _record(
         "family": spec.family,
         "budget": spec.budget,
         "variant": spec.variant,
+        "dtype": dtype,
         "temperature": float(temperature),
         "turns": out.turns,
         "new_tokens": out.new_tokens,
@@ -540,14 +603,20 @@ def run_bench(
     progress: bool = True,
     dist_info: DistInfo | None = None,
     meta: dict[str, Any] | None = None,
+    ar_generators: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``config`` with the generator ``gen`` (a :class:`caddtree.SpeculativeGenerator`) and
     write the results to ``out`` (JSON lines). Returns every record of the results file (on rank 0
-    of a distributed run; the other ranks return their own)."""
+    of a distributed run; the other ranks return their own).
+
+    ``ar_generators`` maps a dtype name (``"float32"``) to a generator whose target runs in that
+    dtype (no drafter needed), for the ``ar-<dtype>`` methods; an ``ar-<dtype>`` in the run's own
+    dtype without one uses ``gen``. Each record's ``dtype`` is the dtype its target ran in."""
     from tqdm.auto import tqdm
 
     config.validate()
     info = dist_info or DistInfo()
+    gens = _generators(gen, config.methods, ar_generators or {})
     out = Path(out)
     if out.exists() and out.is_dir():
         raise InvalidInputError(f"--out {out} is a directory; give a .jsonl file path")
@@ -610,7 +679,7 @@ def run_bench(
             t, dataset, i, item = todo[0][0]
             for spec in config.methods:
                 _run_prompt(
-                    gen,
+                    gens[spec.label],
                     item,
                     spec,
                     costs[spec.label],
@@ -630,12 +699,14 @@ def run_bench(
             for (t, dataset, i, item), spec in todo:
                 bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
                 keep = config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
+                g = gens[spec.label]
                 outcome = _run_prompt(
-                    gen, item, spec, costs[spec.label], t, config, dataset, i, keep_trees=keep
+                    g, item, spec, costs[spec.label], t, config, dataset, i, keep_trees=keep
                 )
-                rec = _record(dataset, i, item, spec, t, outcome)
+                rec = _record(dataset, i, item, spec, t, outcome, _dtype_name(g))
+                # against plain decoding in the run's dtype, for AR in other dtypes too
                 ar = done.get((dataset, i, "ar", float(t)))
-                if ar is not None and t == 0 and spec.family != "ar":
+                if ar is not None and t == 0 and spec.label != "ar":
                     rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
                 if keep:  # before the record: once the record is there, the run is done
                     with open(tree_part, "a", encoding="utf-8") as tf:
@@ -649,6 +720,31 @@ def run_bench(
     if not info.distributed:
         return list(done.values())
     return _gather(out, info, list(done.values()))
+
+
+def _generators(
+    gen: Any, methods: Sequence[MethodSpec], ar_generators: dict[str, Any]
+) -> dict[str, Any]:
+    """The generator each method runs with (by label): ``gen``, or for ``ar-<dtype>`` the one of
+    ``ar_generators`` in that dtype (``gen`` when there is none and that is the run's dtype)."""
+    main = _dtype_name(gen)
+    out = {}
+    for spec in methods:
+        if spec.dtype in ar_generators:
+            other = ar_generators[spec.dtype]
+            if _dtype_name(other) != spec.dtype:
+                raise InvalidInputError(
+                    f"the generator for {spec.label} runs in {_dtype_name(other)}, not {spec.dtype}"
+                )
+            out[spec.label] = other
+        elif spec.dtype is None or spec.dtype == main:
+            out[spec.label] = gen
+        else:
+            raise InvalidInputError(
+                f"{spec.label} needs a copy of the target in {spec.dtype} (ar_generators); the "
+                f"run's dtype is {main}"
+            )
+    return out
 
 
 def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -683,8 +779,9 @@ def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[di
 
 def summary_table(records: list[dict[str, Any]]) -> str:
     """Markdown tables, one per temperature: every method's median ms per token, speed-up over
-    AR, pooled tau, budget and outputs identical to AR's, as ``caddtree report`` computes them
-    (:func:`caddtree.report.aggregate`, :func:`caddtree.report.method_table`)."""
+    the fastest AR of each dataset (``ar`` or an ``ar-<dtype>``; marked "baseline" when there
+    are several), pooled tau, budget and outputs identical to AR's, as ``caddtree report``
+    computes them (:func:`caddtree.report.aggregate`, :func:`caddtree.report.method_table`)."""
     from .report import aggregate, method_table
 
     agg = aggregate(records)
@@ -739,7 +836,12 @@ def add_arguments(p: Any) -> None:
 
     p.add_argument("--target", help="target model (default: the built-in SmolLM2 pair)")
     p.add_argument("--draft", help="DFlash drafter for --target")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32, bfloat16, float16, float64: the dtype of every method (ar-DTYPE "
+        "excepted)",
+    )
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument(
         "--datasets",
@@ -759,8 +861,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument(
         "--methods",
         nargs="+",
-        default=["ar", "dflash", "ddtree", "caddtree"],
-        help="ar, dflash, ddtree (every --budgets), ddtree-B, caddtree, caddtree-VARIANT",
+        help="ar, ar-DTYPE (plain decoding with a copy of the target in DTYPE: float32, "
+        "bfloat16, float16, float64), dflash, ddtree (every --budgets), ddtree-B, caddtree, "
+        "caddtree-VARIANT. Default: ar dflash ddtree caddtree, and on a CPU the AR baseline in "
+        "the other of float32/bfloat16 (ar-float32 for a bfloat16 run); speed-ups are against "
+        "the fastest AR",
     )
     p.add_argument(
         "--budgets",
@@ -804,7 +909,8 @@ def cli_main(args: Any) -> int:
 
     if args.max_samples is not None and args.max_samples < 1:
         raise InvalidInputError(f"--max-samples must be a positive integer, got {args.max_samples}")
-    specs = parse_methods(args.methods, args.budgets, args.ablations)
+    methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
+    specs = parse_methods(methods, args.budgets, args.ablations)
     if args.target is None and args.draft is not None:  # cheap checks before any data or model
         raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
     if args.target is not None and args.draft is None and any(s.family != "ar" for s in specs):
@@ -841,6 +947,19 @@ def cli_main(args: Any) -> int:
     gen = SpeculativeGenerator.from_pretrained(
         args.target, args.draft if needs_draft else None, dtype=args.dtype, device=device
     )
+    main_dtype = _dtype_name(gen)
+    if args.methods is None:  # the default list: also AR in the dtype that may be faster here
+        extra = default_ar_dtypes(main_dtype, gen.verifier.device.type)
+        specs = parse_methods([*methods, *(f"ar-{d}" for d in extra)], args.budgets, args.ablations)
+        config.methods = specs
+    # one target-only copy per other dtype that plain decoding is measured in
+    ar_gens = {
+        s.dtype: SpeculativeGenerator.from_pretrained(
+            args.target, None, dtype=s.dtype, device=gen.verifier.device
+        )
+        for s in specs
+        if s.dtype is not None and s.dtype != main_dtype
+    }
     cost = None
     if any(s.needs_cost_model for s in specs):
         if args.cost_model:
@@ -874,6 +993,7 @@ def cli_main(args: Any) -> int:
         progress=not args.no_progress,
         dist_info=info,
         meta=meta,
+        ar_generators=ar_gens,
     )
     if info.rank == 0:
         print(summary_table(records))

@@ -82,7 +82,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .api import SpeculativeGenerator, resolve_dtype
+    from .api import (
+        SpeculativeGenerator,
+        ar_baseline_dtypes,
+        dtype_name,
+        explain_divergence,
+        resolve_dtype,
+    )
     from .decoding import Sampler
 
     if args.target is not None and args.method != "ar" and args.draft is None:
@@ -98,6 +104,12 @@ def _generate(args: argparse.Namespace) -> int:
         )
     Sampler(args.temperature, args.top_p)
     resolve_dtype(args.dtype, torch.device("cpu"))
+    if args.ar_dtypes is not None and not args.compare_ar:
+        raise InvalidInputError("--ar-dtypes only applies with --compare-ar")
+    ar_dtypes = args.ar_dtypes or "auto"
+    if ar_dtypes not in ("auto", "same"):
+        ar_dtypes = [d.strip() for d in ar_dtypes.split(",") if d.strip()]
+    ar_baseline_dtypes(torch.float32, "cpu", ar_dtypes)  # a bad name fails before any loading
     _resolve_pair(args)
     gen = SpeculativeGenerator.from_pretrained(
         args.target,
@@ -109,6 +121,22 @@ def _generate(args: argparse.Namespace) -> int:
     if args.method == "caddtree" and gen.cost_model is None:
         # no silent fallback: profile this machine once (cached), and say so
         gen.cost_model = gen.cached_cost_model()
+    # Plain AR decoding to compare with: in the run's own dtype first (the lossless reference), then
+    # in any dtype plain decoding may be faster in on this device (a float32 copy of the target
+    # for a bfloat16/float16 run on the CPU), so the speed-up is over the fastest AR a user could
+    # pick, not over a slow baseline.
+    ar_gens = []
+    if args.compare_ar and args.method != "ar":
+        run_dtype, device = gen.verifier.dtype, gen.verifier.device
+        for dtype in ar_baseline_dtypes(run_dtype, device, ar_dtypes):
+            if dtype == run_dtype:
+                ar_gens.append(gen)
+            else:
+                ar_gens.append(
+                    SpeculativeGenerator.from_pretrained(
+                        args.target, None, dtype=dtype, device=device
+                    )
+                )
 
     def stream(_stats, tokens):
         if not args.json and not args.no_stream and gen.tokenizer is not None:
@@ -121,6 +149,16 @@ def _generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "chat": False if args.raw else None,
     }
+    if ar_gens:
+        # Untimed warm-up of every timed run (the method, and AR in each dtype) on the same prompt,
+        # so one-time costs (lazy initialisation, allocator growth, first-call kernel choices)
+        # fall on none of them; the first timed run used to pay for them all.
+        warm = {**common, "max_new_tokens": min(8, args.max_new_tokens)}
+        gen.generate(
+            args.prompt, method=args.method, budget=args.budget, max_budget=args.max_budget, **warm
+        )
+        for ar_gen in ar_gens:
+            ar_gen.generate(args.prompt, method="ar", **warm)
     result = gen.generate(
         args.prompt,
         method=args.method,
@@ -129,42 +167,109 @@ def _generate(args: argparse.Namespace) -> int:
         callback=stream,
         **common,
     )
-    baseline = None
-    if args.compare_ar and args.method != "ar":
-        baseline = gen.generate(args.prompt, method="ar", **common)
+    # the timed AR runs, in the order of ar_gens (the same-dtype one first), each with its dtype
+    ar_runs = [
+        (ar_gen.verifier.dtype, ar_gen.generate(args.prompt, method="ar", **common))
+        for ar_gen in ar_gens
+    ]
+    baseline = ar_runs[0][1] if ar_runs else None  # AR in the run's dtype: the lossless reference
+    divergence = None
+    if baseline is not None and args.temperature == 0:
+        # greedy: the outputs should be identical; if not, say why (after the timed runs)
+        divergence = explain_divergence(
+            gen,
+            result.prompt_ids,
+            baseline.token_ids,
+            result.token_ids,
+            method=result.method,
+            tree_nodes=round(result.stats.budget_mean),
+        )
+    # the speed-up is over the fastest AR run (the same-dtype one on a tie)
+    fastest = min(range(len(ar_runs)), key=lambda i: ar_runs[i][1].stats.ms_per_token, default=0)
+
+    def ar_key(i: int) -> str:
+        return "ar" if i == 0 else f"ar_{dtype_name(ar_runs[i][0])}"
+
     if args.json:
         out = result.to_dict(per_round=args.per_round)
         if baseline is not None:
-            out["ar"] = baseline.to_dict()
-            out["speedup_over_ar"] = baseline.stats.ms_per_token / result.stats.ms_per_token
+            out["dtype"] = dtype_name(gen.verifier.dtype)
+            for i, (dtype, run) in enumerate(ar_runs):
+                record = run.to_dict()
+                record["dtype"] = dtype_name(dtype)
+                if i > 0 and args.temperature == 0:  # information only: dtypes round differently
+                    record["same_tokens_as_method"] = run.token_ids == result.token_ids
+                out[ar_key(i)] = record
+            out["baseline"] = ar_key(fastest)
+            out["speedup_over_ar"] = (
+                ar_runs[fastest][1].stats.ms_per_token / result.stats.ms_per_token
+            )
+            out["speedup_over_same_dtype_ar"] = (
+                baseline.stats.ms_per_token / result.stats.ms_per_token
+            )
+            if args.temperature == 0:
+                out["divergence"] = None if divergence is None else divergence.to_dict()
         print(json.dumps(out))
         return 0
     if args.no_stream:
         print(result.text)
     else:
         print()
-    for res in (result, baseline):
-        if res is not None:
-            s = res.stats
-            budget = (
-                ""
-                if s.method == "ar"
-                else f"  mean budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
-            )
-            print(
-                f"[{s.method}] {s.new_tokens} tokens in {s.rounds} rounds  tau {s.tau:.2f}{budget}  "
-                f"{s.ms_per_token:.1f} ms/token  ({s.stop_reason})",
-                file=sys.stderr,
-            )
+    rows = [(result, gen.verifier.dtype, "")]
+    for i, (dtype, run) in enumerate(ar_runs):
+        note = "  <- baseline (fastest AR)" if len(ar_runs) > 1 and i == fastest else ""
+        rows.append((run, dtype, note))
+    for res, dtype, note in rows:
+        s = res.stats
+        budget = (
+            ""
+            if s.method == "ar"
+            else f"  mean budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
+        )
+        print(
+            f"[{s.method} {dtype_name(dtype)}] {s.new_tokens} tokens in {s.rounds} rounds  "
+            f"tau {s.tau:.2f}{budget}  {s.ms_per_token:.1f} ms/token  ({s.stop_reason}){note}",
+            file=sys.stderr,
+        )
     if baseline is not None:
         same = "identical output" if baseline.token_ids == result.token_ids else "outputs differ"
         if args.temperature > 0:
             same = "sampled: outputs may differ"
-        speedup = baseline.stats.ms_per_token / result.stats.ms_per_token
-        print(
-            f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
-            file=sys.stderr,
-        )
+        speedup = ar_runs[fastest][1].stats.ms_per_token / result.stats.ms_per_token
+        if len(ar_runs) == 1:
+            print(
+                f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
+                file=sys.stderr,
+            )
+        else:
+            others = ", ".join(
+                f"{run.stats.ms_per_token / result.stats.ms_per_token:.2f}x against AR in "
+                f"{dtype_name(dtype)}"
+                for i, (dtype, run) in enumerate(ar_runs)
+                if i != fastest
+            )
+            print(
+                f"speed-up of {result.method} over AR, same run: {speedup:.2f}x against AR in "
+                f"{dtype_name(ar_runs[fastest][0])}, the fastest AR ({others})",
+                file=sys.stderr,
+            )
+            info = ""
+            if args.temperature == 0:
+                info = "".join(
+                    f"; AR in {dtype_name(dtype)} gives "
+                    + (
+                        "the same tokens"
+                        if run.token_ids == result.token_ids
+                        else "other tokens (information only: another dtype rounds differently)"
+                    )
+                    for dtype, run in ar_runs[1:]
+                )
+            print(
+                f"lossless check against AR in {dtype_name(ar_runs[0][0])}: {same}{info}",
+                file=sys.stderr,
+            )
+        if divergence is not None:
+            print(divergence.describe(), file=sys.stderr)
     return 0
 
 
@@ -276,6 +381,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
         seed=args.seed,
         save_every=args.save_every,
         eval_every=args.eval_every,
+        draft_vocab_coverage=args.draft_vocab_coverage or None,
+        precision=args.precision,
     )
     config.validate()
     target_dir = args.target
@@ -284,27 +391,56 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
         target_dir = default_target_dir()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    user_prompts = None
+    if args.prompts:
+        from .magpie import read_prompt_file
+
+        user_prompts = read_prompt_file(args.prompts)  # before any slow work: fail fast
     out = __import__("pathlib").Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
 
-    rng = random.Random(args.seed)
-    sources = {
-        "sharegpt": lambda: prompt_data.sharegpt_prompts()[: args.sharegpt],
-        "stdlib": lambda: rng.sample(prompt_data.stdlib_code_prompts(), args.code),
-        "math": lambda: prompt_data.synthetic_math_prompts(args.math, seed=args.seed),
-    }
-    prompt_set = prompt_data.build_training_prompts(seed=args.seed, sources=sources)
-    print(
-        f"training prompts: {len(prompt_set.prompts)} {prompt_set.sources} "
-        f"(dropped {prompt_set.overlap} overlapping a benchmark, {prompt_set.duplicates} duplicates)",
-        file=sys.stderr,
-    )
     target = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=dtype, attn_implementation="sdpa"
     )
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     stops = sorted(eos_token_ids(tokenizer, target))
     timings = {}
+
+    rng = random.Random(args.seed)
+    sources: dict = {
+        "sharegpt": lambda: prompt_data.sharegpt_prompts()[: args.sharegpt],
+        "stdlib": lambda: rng.sample(prompt_data.stdlib_code_prompts(), args.code),
+        "math": lambda: prompt_data.synthetic_math_prompts(args.math, seed=args.seed),
+    }
+    magpie_report = None
+    if args.magpie:
+        from .magpie import filter_queries, generate_queries
+
+        t0 = time.perf_counter()
+        raw = generate_queries(
+            target,
+            tokenizer,
+            args.magpie,
+            out / "magpie_raw.jsonl",
+            seed=args.seed,
+            stop_token_ids=stops,
+        )
+        timings["magpie_s"] = round(time.perf_counter() - t0, 1)
+        magpie_report = filter_queries(raw)
+        print(
+            f"Magpie: {len(magpie_report.kept)} of {len(raw)} sampled queries kept "
+            f"(dropped: {dict(magpie_report.dropped)})",
+            file=sys.stderr,
+        )
+        sources["magpie"] = lambda: magpie_report.kept
+    if user_prompts is not None:
+        sources["file"] = lambda: user_prompts
+    prompt_set = prompt_data.build_training_prompts(seed=args.seed, sources=sources)
+    print(
+        f"training prompts: {len(prompt_set.prompts)} {prompt_set.sources} "
+        f"(dropped {prompt_set.overlap} overlapping a benchmark, {prompt_set.duplicates} duplicates)",
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
     data = prepare_data(
         target,
@@ -316,9 +452,40 @@ def _train_drafter(args: argparse.Namespace) -> int:
         stop_token_ids=stops,
     )
     timings["data_s"] = round(time.perf_counter() - t0, 1)
+    response_tokens = int(sum(len(s) - p for s, p in zip(data.sequences, data.prompt_lengths)))
+    print(
+        f"training data: {len(data.sequences)} samples, {response_tokens} response tokens",
+        file=sys.stderr,
+    )
+    # the held-out samples' prompts, e.g. for `caddtree bench --prompts` to compare drafters on
+    # prompts no training step saw
+    from .files import atomic_write_text
+    from .train import split_samples
+
+    heldout = [prompt_set.prompts[i] for i in split_samples(data, config)[1]]
+    atomic_write_text(
+        out / "heldout_prompts.jsonl",
+        "".join(json.dumps({"prompt": p}) + "\n" for p in heldout if isinstance(p, str)),
+    )
+    if args.data_only:
+        return 0
     t0 = time.perf_counter()
-    final = train_drafter(target, data, out, config, stop_after=args.stop_after)
+    final = train_drafter(
+        target,
+        data,
+        out,
+        config,
+        stop_after=args.stop_after,
+        stop_token_ids=stops,
+        init_from=args.init_from,
+    )
     timings["train_s"] = round(time.perf_counter() - t0, 1)
+    from .train import draft_vocab_coverage, load_trained_drafter
+
+    ids = load_trained_drafter(out).draft_token_ids
+    draft_vocab = None
+    if ids is not None:
+        draft_vocab = {"size": ids.numel(), "coverage": draft_vocab_coverage(data, ids)}
     record = {
         "command": "caddtree " + " ".join(sys.argv[1:]) if sys.argv else "",
         "target": str(target_dir),
@@ -334,6 +501,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
             sum(len(s) - p for s, p in zip(data.sequences, data.prompt_lengths))
         ),
         "config": config.__dict__,
+        "draft_vocab": draft_vocab,
         "final": final,
         "timings": timings,
         "torch": torch.__version__,
@@ -420,7 +588,17 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-ar",
         action="store_true",
-        help="also run plain AR decoding and print the speed-up",
+        help="also run plain AR decoding and print the speed-up (each run warmed up untimed "
+        "first); the speed-up is over the fastest AR timed (see --ar-dtypes), the identical-output "
+        "check against AR in the run's own dtype",
+    )
+    p.add_argument(
+        "--ar-dtypes",
+        metavar="auto|same|DTYPES",
+        help="with --compare-ar: dtypes to time plain AR in besides the run's own, comma-separated "
+        "(e.g. float32); 'auto' (default) adds float32 for a bfloat16/float16 run on the CPU "
+        "(loading a float32 copy of the target), where float32 is often faster; 'same' times AR "
+        "in the run's dtype only",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -489,6 +667,22 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharegpt", type=int, default=500, help="ShareGPT prompts to use (max 500)")
     p.add_argument("--code", type=int, default=500, help="stdlib code prompts to use")
     p.add_argument("--math", type=int, default=300, help="synthetic arithmetic word problems")
+    p.add_argument(
+        "--magpie",
+        type=int,
+        default=0,
+        help="sample this many user queries from the target itself (Magpie), then filter them",
+    )
+    p.add_argument(
+        "--prompts",
+        help='your own prompts: a JSON-lines file, one {"prompt": ...} or {"messages": [...]} '
+        "per line",
+    )
+    p.add_argument(
+        "--data-only",
+        action="store_true",
+        help="stop after generating the training data (prompts and responses)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     p.add_argument("--batch-size", type=int, default=16, help="generation batch size")
     p.add_argument("--dtype", default="bfloat16", help="target dtype for data and features")
@@ -509,6 +703,23 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument(
+        "--draft-vocab-coverage",
+        type=float,
+        default=0.99,
+        help="score only the most frequent response tokens that cover this share of them, plus "
+        "the stop tokens (a draft vocabulary); 0 for the target's whole vocabulary",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="autocast dtype of the training forward (weights and optimiser stay float32)",
+    )
+    p.add_argument(
+        "--init-from",
+        help="start a new run from this drafter's weights (released format) instead of random",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--export", help="also write the final drafter here (released format)")
     p.add_argument("--export-dtype", default="bfloat16")

@@ -655,7 +655,7 @@ class TrainingPromptSet:
     ``sources``: prompts kept per source; ``duplicates``: prompts dropped as duplicates (equal
     normalised text); ``overlap``: prompts dropped because they overlap a benchmark prompt."""
 
-    prompts: list[str]
+    prompts: list[str | list[dict[str, str]]]
     sources: dict[str, int] = field(default_factory=dict)
     duplicates: int = 0
     overlap: int = 0
@@ -694,12 +694,14 @@ def build_training_prompts(
     for source_name, read in sources.items():
         count = 0
         for prompt in read():
-            norm = normalize_text(prompt)
-            if not norm or norm in seen:
+            # a prompt is a string or a list of chat messages (checked turn by turn)
+            texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+            norm = "\n".join(normalize_text(t) for t in texts)
+            if not norm.strip() or norm in seen:
                 result.duplicates += 1
                 continue
             seen.add(norm)
-            if index.overlaps(prompt):
+            if any(index.overlaps(t) for t in texts):
                 result.overlap += 1
                 continue
             kept.append(prompt)

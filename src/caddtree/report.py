@@ -9,7 +9,10 @@ Every number in every table and figure comes from one place, :func:`aggregate`, 
 (temperature, dataset, method label):
 
 * **ms/tok**: the median over prompts of each prompt's wall time per new token (the mean is kept
-  too). **Speed-up** over AR is AR's median ms/tok divided by the method's.
+  too). **Speed-up** over AR is the AR baseline's median ms/tok divided by the method's. The
+  baseline is the fastest plain decoding a user could pick: among the AR runs of the temperature
+  and dataset (``ar`` in the run's dtype and ``ar-<dtype>`` in other dtypes, e.g.
+  ``ar-float32``), the one with the lowest median ms/tok (ties: ``ar``).
 * **tau** (acceptance length): pooled, the sum of committed tokens over the sum of rounds of all
   prompts, so long generations weigh by their rounds.
 * **budget** mean and std: pooled over all rounds of all prompts (population std), the paper's
@@ -147,6 +150,8 @@ def _dataset_key(dataset: str) -> tuple[int, str]:
 def _method_key(method: str, budget: int | None = None) -> tuple[int, float, str]:
     if method == "ar":
         return (0, 0, "")
+    if method.startswith("ar-"):  # plain decoding in another dtype, right after ``ar``
+        return (0, 1, method)
     if method == "dflash":
         return (1, 0, "")
     if method.startswith("ddtree"):
@@ -238,6 +243,8 @@ def _validate_record(rec: dict[str, Any], where: str) -> None:
         raise bad("budget", "a positive integer for a DDTree record")
     if rec["variant"] is not None and not isinstance(rec["variant"], str):
         raise bad("variant", "null or a string")
+    if rec.get("dtype") is not None and not isinstance(rec["dtype"], str):  # older files lack it
+        raise bad("dtype", "null or a string")
     rounds = rec["rounds"]
     for key in PER_ROUND_KEYS + OPTIONAL_PER_ROUND_KEYS:
         if key not in rec or (key in OPTIONAL_PER_ROUND_KEYS and rec[key] is None):
@@ -380,9 +387,11 @@ class MethodSummary:
     budget_std: float  # pooled over rounds, population std
     rounds: int
     new_tokens: int
-    matches_ar: int  # prompts whose output is identical to AR's
+    matches_ar: int  # prompts whose output is identical to AR's (in the run's dtype)
     matches_ar_known: int  # prompts with a verdict (matches_ar not null)
-    speedup: float | None  # AR's median ms/tok / this median ms/tok; None without AR
+    speedup: float | None  # the AR baseline's median ms/tok / this one; None without AR
+    baseline: str | None = None  # the AR label ``speedup`` is against (the fastest AR run)
+    dtype: str | None = None  # the dtype the target ran in (records' ``dtype``; older: None)
 
 
 @dataclass(frozen=True)
@@ -405,6 +414,7 @@ class Aggregates:
     oracles: dict[tuple[float, str], Oracle]
     records: dict[tuple[float, str, str], list[dict[str, Any]]]
     notes: list[str] = field(default_factory=list)
+    baselines: dict[tuple[float, str], str] = field(default_factory=dict)
 
     def temperatures(self) -> list[float]:
         return sorted({t for t, _, _ in self.summaries})
@@ -421,6 +431,22 @@ class Aggregates:
         CaDDTree, its ablation variants, anything else)."""
         rows = [s for (t, d, _), s in self.summaries.items() if t == temperature and d == dataset]
         return sorted(rows, key=lambda s: _method_key(s.method, s.budget))
+
+    def ar_runs(self, temperature: float, dataset: str) -> list[MethodSummary]:
+        """The plain-decoding (AR) runs of ``dataset``: ``ar``, then ``ar-<dtype>`` by name."""
+        return [s for s in self.methods(temperature, dataset) if s.family == "ar"]
+
+    def ar_labels(self, temperature: float) -> list[str]:
+        """Every AR label run at ``temperature`` on any dataset, ``ar`` first."""
+        labels = {
+            m for (t, _, m), s in self.summaries.items() if t == temperature and s.family == "ar"
+        }
+        return sorted(labels, key=_method_key)
+
+    def baseline(self, temperature: float, dataset: str) -> MethodSummary | None:
+        """The AR run speed-ups are against: the fastest of :meth:`ar_runs` (``None``: no AR)."""
+        label = self.baselines.get((temperature, dataset))
+        return None if label is None else self.get(temperature, dataset, label)
 
     def ddtree(self, temperature: float, dataset: str) -> list[MethodSummary]:
         """The DDTree runs of ``dataset``, by increasing budget."""
@@ -455,6 +481,7 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
         n_rounds = sum(len(r["committed"]) for r in recs)
         budgets = np.array([b for r in recs for b in r["budgets"]], dtype=np.float64)
         verdicts = [r.get("matches_ar") for r in recs if r.get("matches_ar") is not None]
+        dtypes = {r.get("dtype") for r in recs}
         first = recs[0]
         summaries[(t, d, m)] = MethodSummary(
             temperature=t,
@@ -474,13 +501,43 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
             matches_ar=sum(1 for v in verdicts if v),
             matches_ar_known=len(verdicts),
             speedup=None,
+            dtype=dtypes.pop() if len(dtypes) == 1 else None,
         )
+    # the speed-up baseline: the fastest plain decoding of each (temperature, dataset)
+    ar_runs: dict[tuple[float, str], list[MethodSummary]] = {}
+    for s in summaries.values():
+        if s.family == "ar":
+            ar_runs.setdefault((s.temperature, s.dataset), []).append(s)
+    baselines = {
+        key: min(runs, key=lambda s: (s.ms_per_token, s.method != "ar", s.method))
+        for key, runs in ar_runs.items()
+    }
     for key, s in summaries.items():
-        ar = summaries.get((s.temperature, s.dataset, "ar"))
-        if ar is not None:
-            summaries[key] = replace(s, speedup=ar.ms_per_token / s.ms_per_token)
+        base = baselines.get((s.temperature, s.dataset))
+        if base is not None:
+            summaries[key] = replace(
+                s, speedup=base.ms_per_token / s.ms_per_token, baseline=base.method
+            )
 
-    agg = Aggregates(summaries=summaries, oracles={}, records=groups)
+    agg = Aggregates(
+        summaries=summaries,
+        oracles={},
+        records=groups,
+        baselines={key: base.method for key, base in baselines.items()},
+    )
+    for (t, d), runs in sorted(ar_runs.items(), key=lambda kv: (kv[0][0], _dataset_key(kv[0][1]))):
+        if len(runs) > 1:
+            base = baselines[(t, d)]
+            others = ", ".join(
+                f"{s.method}: {s.ms_per_token:.2f}"
+                for s in sorted(runs, key=lambda s: _method_key(s.method))
+                if s is not base
+            )
+            agg.notes.append(
+                f"{dataset_name(d)} at temperature {_t(t)}: speed-ups are against "
+                f"{base.method} ({base.ms_per_token:.2f} ms/tok), the fastest plain decoding "
+                f"({others} ms/tok)."
+            )
     if unmeasured:
         first = unmeasured[0]
         why = f": {first['skipped']}" if first.get("skipped") else ""
@@ -651,59 +708,111 @@ class Table:
         return "\n".join(lines)
 
 
+def _ar_title(agg: Aggregates, temperature: float, label: str) -> str:
+    """How tables name an AR run: ``AR float32`` for ``ar-float32``; ``AR bfloat16`` for ``ar``
+    when its records say it ran in bfloat16 (older records do not: plain ``AR``)."""
+    if label != "ar":
+        return f"AR {label.removeprefix('ar-')}"
+    dtypes = {s.dtype for (t, _, m), s in agg.summaries.items() if t == temperature and m == label}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return f"AR {dtype}" if dtype else "AR"
+
+
 def table1(agg: Aggregates, temperature: float) -> Table:
     """Paper Table 1 (Table 4 at temperature 1): AR, DFlash, DDTree-oracle and CaDDTree per
-    dataset; the best ms/tok of each row in bold; Markdown adds CaDDTree's speed-up over AR."""
+    dataset; the best ms/tok of each row in bold; Markdown adds CaDDTree's speed-up over AR.
+
+    When plain decoding ran in more than one dtype (``ar`` and ``ar-<dtype>``), there is one AR
+    column per dtype; the speed-up is over the faster of them, which the Markdown names in a
+    last column and the LaTeX marks with a dagger."""
+    labels = agg.ar_labels(temperature)
+    several = labels not in ([], ["ar"])
+    if not several:
+        labels = ["ar"]
+    k = len(labels)
     rows = []
     for d in agg.datasets(temperature):
-        ar = agg.get(temperature, d, "ar")
+        ars = [agg.get(temperature, d, label) for label in labels]
+        base = agg.baseline(temperature, d)
         dflash = agg.get(temperature, d, "dflash")
         ca = agg.get(temperature, d, "caddtree")
         oracle = agg.oracle(temperature, d)
         times = _bold_lowest(
             [
-                _num(ar.ms_per_token) if ar else MISSING,
+                *(_num(ar.ms_per_token) if ar else MISSING for ar in ars),
                 _num(dflash.ms_per_token) if dflash else MISSING,
                 _num(oracle.ms_per_token) if oracle else MISSING,
                 _num(ca.ms_per_token) if ca else MISSING,
             ]
         )
-        rows.append(
-            [
-                _text(dataset_name(d)),
-                times[0],
-                times[1],
-                _num(dflash.tau) if dflash else MISSING,
-                times[2],
-                _num(oracle.tau) if oracle else MISSING,
-                _int(oracle.budget) if oracle else MISSING,
-                times[3],
-                _num(ca.tau) if ca else MISSING,
-                _budget(ca.budget_mean, ca.budget_std) if ca else MISSING,
-                _speedup(ca.speedup) if ca else MISSING,
+        ar_cells = times[:k]
+        if several:  # mark the baseline in LaTeX (Markdown names it in its own column)
+            ar_cells = [
+                replace(c, tex=c.tex + r"$^\dagger$") if ar is not None and ar is base else c
+                for c, ar in zip(ar_cells, ars)
             ]
-        )
+        row = [
+            _text(dataset_name(d)),
+            *ar_cells,
+            times[k],
+            _num(dflash.tau) if dflash else MISSING,
+            times[k + 1],
+            _num(oracle.tau) if oracle else MISSING,
+            _int(oracle.budget) if oracle else MISSING,
+            times[k + 2],
+            _num(ca.tau) if ca else MISSING,
+            _budget(ca.budget_mean, ca.budget_std) if ca else MISSING,
+            _speedup(ca.speedup) if ca else MISSING,
+        ]
+        if several:
+            row.append(_text(base.method) if base else MISSING)
+        rows.append(row)
     t = _t(temperature)
+    if several:
+        ar_head = rf"\multicolumn{{{k}}}{{c}}{{\textbf{{AR}} ms/tok}}" if k > 1 else r"\textbf{AR}"
+        ar_rule = rf"\cmidrule(lr){{2-{1 + k}}}" if k > 1 else ""
+        ar_sub = " & ".join(
+            _latex_escape(title[3:] if title.startswith("AR ") else "run dtype")
+            for title in (_ar_title(agg, temperature, label) for label in labels)
+        )
+    else:
+        ar_head, ar_rule, ar_sub = r"\textbf{AR}", "", "ms/tok"
+
+    def span(a: int, b: int) -> str:
+        return rf"\cmidrule(lr){{{a + k - 1}-{b + k - 1}}}"
+
     header = "\n".join(
         [
-            r" & \textbf{AR} & \multicolumn{2}{c}{\textbf{DFlash}} & "
+            rf" & {ar_head} & \multicolumn{{2}}{{c}}{{\textbf{{DFlash}}}} & "
             r"\multicolumn{3}{c}{\textbf{DDTree-oracle}} & \multicolumn{3}{c}{\textbf{CaDDTree}} \\",
-            r"\cmidrule(lr){3-4}\cmidrule(lr){5-7}\cmidrule(lr){8-10}",
-            r"\textbf{Dataset} & ms/tok & ms/tok & $\tau$ & ms/tok & $\tau$ & $n^*$ "
+            ar_rule + span(3, 4) + span(5, 7) + span(8, 10),
+            rf"\textbf{{Dataset}} & {ar_sub} & ms/tok & $\tau$ & ms/tok & $\tau$ & $n^*$ "
             r"& ms/tok & $\tau$ & $\bar{n}^*(\sigma)$ \\",
         ]
     )
+    caption = (
+        "Per-token generation time (ms/tok, median over prompts; lower is better) and mean "
+        f"acceptance length $\\tau$ at temperature~{t}. $n^*$ is the oracle's best grid "
+        "budget; $\\bar{n}^*(\\sigma)$ is CaDDTree's per-round mean (std)."
+    )
+    ar_columns = ["AR ms/tok"]
+    speedup_column = "CaDDTree speed-up vs AR"
+    markdown_only: tuple[int, ...] = (10,)
+    if several:
+        caption += (
+            " AR: plain decoding in each dtype measured; $^\\dagger$ marks the faster one, the "
+            "baseline of speed-ups."
+        )
+        ar_columns = [f"{_ar_title(agg, temperature, label)} ms/tok" for label in labels]
+        speedup_column = "CaDDTree speed-up vs fastest AR"
+        markdown_only = (9 + k, 10 + k)
     return Table(
         key=f"table1_T{t}",
         title=f"Table 1 — per-token time and acceptance length, temperature {t}",
-        caption=(
-            "Per-token generation time (ms/tok, median over prompts; lower is better) and mean "
-            f"acceptance length $\\tau$ at temperature~{t}. $n^*$ is the oracle's best grid "
-            "budget; $\\bar{n}^*(\\sigma)$ is CaDDTree's per-round mean (std)."
-        ),
+        caption=caption,
         columns=[
             "Dataset",
-            "AR ms/tok",
+            *ar_columns,
             "DFlash ms/tok",
             "DFlash τ",
             "DDTree-oracle ms/tok",
@@ -712,12 +821,13 @@ def table1(agg: Aggregates, temperature: float) -> Table:
             "CaDDTree ms/tok",
             "CaDDTree τ",
             "CaDDTree n* mean (std)",
-            "CaDDTree speed-up vs AR",
+            speedup_column,
+            *(["fastest AR"] if several else []),
         ],
         rows=rows,
-        latex_spec="l c cc ccc ccc",
+        latex_spec=f"l {'c' * k} cc ccc ccc",
         latex_header=header,
-        markdown_only=(10,),
+        markdown_only=markdown_only,
         wide=True,
     )
 
@@ -797,11 +907,15 @@ def sensitivity_table(agg: Aggregates, temperature: float) -> Table | None:
 def method_table(agg: Aggregates, temperature: float) -> Table:
     """Every method label (each DDTree budget included) per dataset: median and mean ms/tok,
     speed-up over AR, tau, mean (std) budget, prompts, and prompts identical to AR. The best
-    median ms/tok of each dataset in bold."""
+    median ms/tok of each dataset in bold. When a dataset has AR runs in several dtypes, the
+    speed-ups are over the fastest one, whose method cell says ``(baseline)``."""
     rows: list[list[Cell]] = []
     breaks = []
+    several = False
     for d in agg.datasets(temperature):
         runs = agg.methods(temperature, d)
+        base = agg.baselines.get((temperature, d)) if len(agg.ar_runs(temperature, d)) > 1 else None
+        several = several or base is not None
         if rows:
             breaks.append(len(rows))
         times = _bold_lowest([_num(s.ms_per_token) for s in runs])
@@ -815,7 +929,7 @@ def method_table(agg: Aggregates, temperature: float) -> Table:
             rows.append(
                 [
                     _text(dataset_name(d)),
-                    _text(s.method),
+                    _text(f"{s.method} (baseline)" if s.method == base else s.method),
                     time_cell,
                     _num(s.ms_per_token_mean),
                     _speedup(s.speedup),
@@ -831,15 +945,17 @@ def method_table(agg: Aggregates, temperature: float) -> Table:
         title=f"All methods, temperature {t}",
         caption=(
             f"Every method at temperature~{t}: median and mean ms/tok over prompts, speed-up over "
-            "AR (ratio of medians), pooled $\\tau$, per-round mean (std) budget, prompts, and "
-            "prompts whose output is identical to AR's."
+            + ("the fastest AR (the baseline)" if several else "AR")
+            + " (ratio of medians), pooled $\\tau$, per-round mean (std) budget, prompts, and "
+            "prompts whose output is identical to AR's"
+            + (" (in the run's dtype)." if several else ".")
         ),
         columns=[
             "Dataset",
             "Method",
             "ms/tok (median)",
             "ms/tok (mean)",
-            "speed-up vs AR",
+            "speed-up vs fastest AR" if several else "speed-up vs AR",
             "τ",
             "budget mean (std)",
             "prompts",
@@ -985,8 +1101,9 @@ def plot_time_vs_budget(
     agg: Aggregates, temperature: float, path: str | os.PathLike[str]
 ) -> Path | None:
     """Paper Fig. 2: median ms/tok (left axis) and tau (right axis) against the DDTree budget
-    (log2 axis), one panel per dataset, with AR's ms/tok as a line and CaDDTree as a star at its
-    mean budget. ``None`` when there are no DDTree runs at this temperature."""
+    (log2 axis), one panel per dataset, with AR's ms/tok as a line (one per AR dtype run, the
+    speed-up baseline dotted) and CaDDTree as a star at its mean budget. ``None`` when there are
+    no DDTree runs at this temperature."""
     datasets = [d for d in agg.datasets(temperature) if agg.ddtree(temperature, d)]
     if not datasets:
         return None
@@ -1010,9 +1127,20 @@ def plot_time_vs_budget(
                 color="tab:blue",
                 label=f"oracle n*={oracle.budget}",
             )
-        ar = agg.get(temperature, d, "ar")
-        if ar is not None:
-            ax.axhline(ar.ms_per_token, color="grey", ls=":", label=f"AR {ar.ms_per_token:.2f}")
+        ars = agg.ar_runs(temperature, d)
+        base = agg.baseline(temperature, d)
+        for ar in ars:
+            if len(ars) == 1:
+                label = f"AR {ar.ms_per_token:.2f}"
+            else:
+                name = _ar_title(agg, temperature, ar.method)
+                label = f"{name} {ar.ms_per_token:.2f}" + (" (baseline)" if ar is base else "")
+            ax.axhline(
+                ar.ms_per_token,
+                color="grey" if ar is base else "silver",
+                ls=":" if ar is base else "-.",
+                label=label,
+            )
         ca = agg.get(temperature, d, "caddtree")
         if ca is not None and math.isfinite(ca.budget_mean) and ca.budget_mean > 0:
             ax.plot(
@@ -1288,7 +1416,8 @@ def _figures(
         add(
             plot_time_vs_budget(agg, t, out / f"fig2_time_vs_budget_T{_t(t)}.png"),
             f"Fig. 2 — median ms/tok (left) and τ (right) vs DDTree budget, temperature {_t(t)}; "
-            "AR dotted, CaDDTree a star at its mean budget, the oracle circled.",
+            "AR dotted (other AR dtypes dash-dotted), CaDDTree a star at its mean budget, the "
+            "oracle circled.",
         )
     for t in agg.temperatures():
         add(
@@ -1402,7 +1531,8 @@ def build_report(
         f"{', '.join(_t(t) for t in agg.temperatures())}.",
         "",
         "ms/tok is the median over prompts of wall time per new token; speed-up is AR's median "
-        "over the method's; τ is committed tokens over rounds, pooled over prompts; the "
+        "over the method's (with AR run in several dtypes, the fastest AR's); τ is committed "
+        "tokens over rounds, pooled over prompts; the "
         "DDTree-oracle is the DDTree budget with the lowest median ms/tok. See "
         "docs/benchmarking-report.md.",
         "",

@@ -44,16 +44,24 @@ from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError, InvalidInputError
 from .files import atomic_write, atomic_write_text
-from .models.dflash import DFlashDraftModel, check_drafter_fits_target, default_target_layer_ids
+from .models.dflash import (
+    DFlashDraftModel,
+    check_drafter_fits_target,
+    default_target_layer_ids,
+    draft_lm_head,
+)
 from .models.target import extract_context_features
 
 __all__ = [
     "TrainConfig",
     "TrainingData",
     "build_training_batch",
+    "choose_draft_vocab",
+    "draft_vocab_coverage",
     "compute_features",
     "generate_responses",
     "prepare_data",
+    "split_samples",
     "train_drafter",
 ]
 
@@ -84,6 +92,10 @@ class TrainConfig:
     eval_every: int = 50
     save_every: int = 100
     eval_fraction: float = 0.05  # samples held out to report acceptance-like accuracy
+    # Draft vocabulary: the smallest set of most frequent response tokens that covers this share
+    # of response tokens (plus the stop tokens); None trains over the target's whole vocabulary.
+    draft_vocab_coverage: float | None = None
+    precision: str = "float32"  # or "bfloat16": autocast of the forward (weights stay float32)
 
     def validate(self) -> None:
         checks = {
@@ -99,6 +111,9 @@ class TrainConfig:
             "eval_fraction": 0 <= self.eval_fraction < 1,
             "save_every": self.save_every >= 1,
             "eval_every": self.eval_every >= 1,
+            "draft_vocab_coverage": self.draft_vocab_coverage is None
+            or 0 < self.draft_vocab_coverage <= 1,
+            "precision": self.precision in ("float32", "bfloat16"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -122,7 +137,8 @@ class TrainingData:
         flat = torch.cat(self.sequences) if self.sequences else torch.zeros(0, dtype=torch.long)
         lengths = torch.tensor([len(s) for s in self.sequences], dtype=torch.long)
         tensors = {
-            "tokens": flat,
+            # int32 halves the file (token ids are far below 2**31); loading widens them again
+            "tokens": flat.to(torch.int32),
             "lengths": lengths,
             "prompt_lengths": torch.tensor(self.prompt_lengths, dtype=torch.long),
         }
@@ -137,7 +153,7 @@ class TrainingData:
         tensors = load_file(path)
         with safe_open(path, framework="pt") as fh:
             meta = json.loads((fh.metadata() or {}).get("meta", "{}"))
-        seqs = list(torch.split(tensors["tokens"], tensors["lengths"].tolist()))
+        seqs = list(torch.split(tensors["tokens"].long(), tensors["lengths"].tolist()))
         return cls(seqs, tensors["prompt_lengths"].tolist(), meta)
 
 
@@ -179,6 +195,8 @@ def generate_responses(
             max_new_tokens=max_new_tokens,
             eos_token_id=sorted(stops) or None,
             pad_token_id=pad_token_id,
+            # a static cache avoids re-concatenating the KV cache every step (2-3x on a CPU)
+            cache_implementation="static",
         )
         for row, i in enumerate(idx):
             resp = out[row, width:].tolist()
@@ -193,8 +211,13 @@ def generate_responses(
     return TrainingData(seqs, [len(p) for p in prompt_ids], {"max_new_tokens": max_new_tokens})
 
 
-def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """``prompt`` as a user turn in the tokenizer's chat template (plain text if it has none)."""
+def chat_prompt_ids(tokenizer: Any, prompt: str | Sequence[dict[str, str]]) -> list[int]:
+    """``prompt`` as a user turn in the tokenizer's chat template (plain text if it has none);
+    a list of chat messages is rendered as it is."""
+    if not isinstance(prompt, str):
+        from .api import chat_template_ids
+
+        return chat_template_ids(tokenizer, prompt)
     if getattr(tokenizer, "chat_template", None):
         from .api import chat_template_ids
 
@@ -205,33 +228,37 @@ def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
 def prepare_data(
     target: Any,
     tokenizer: Any,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[dict[str, str]]],
     path: str | os.PathLike[str],
     *,
     max_new_tokens: int = 256,
     batch_size: int = 16,
-    chunk_size: int = 64,
+    chunk_size: int = 256,
     stop_token_ids: Sequence[int] = (),
     progress: bool = True,
 ) -> TrainingData:
     """Stage 1 with resume: generate responses chunk by chunk, saving ``path`` after each chunk.
 
-    An interrupted run continues with the first prompt that has no response yet. The file records
-    a fingerprint of the prompts and settings; a mismatch is an error rather than silent reuse.
+    An interrupted run continues with the first prompt that has no response yet. The responses
+    already in ``path`` are reused when their prompts are the first prompts of ``prompts`` (same
+    tokens) and the settings match, so a run can also grow by appending prompts; anything else is
+    an error rather than silent reuse.
     """
-    import hashlib
-
     path = Path(path)
-    fingerprint = hashlib.sha256(
-        json.dumps([list(prompts), max_new_tokens, sorted(int(t) for t in stop_token_ids)]).encode()
-    ).hexdigest()[:16]
-    done = TrainingData([], [], {"fingerprint": fingerprint, "max_new_tokens": max_new_tokens})
+    settings = {"max_new_tokens": max_new_tokens, "stops": sorted(int(t) for t in stop_token_ids)}
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    done = TrainingData([], [], dict(settings))
     if path.is_file():
         done = TrainingData.load(path)
-        if done.meta.get("fingerprint") != fingerprint:
+        saved = {k: done.meta.get(k) for k in settings}
+        same_prompts = len(done.sequences) <= len(prompt_ids) and all(
+            seq[:p].tolist() == ids
+            for seq, p, ids in zip(done.sequences, done.prompt_lengths, prompt_ids)
+        )
+        if saved != settings or not same_prompts:
             raise InvalidInputError(
-                f"{path} holds responses for other prompts or settings; delete it or use another "
-                "output directory"
+                f"{path} holds responses for other prompts or settings ({saved}); delete it or "
+                "use another output directory"
             )
         if len(done.sequences) == len(prompts):
             return done
@@ -239,7 +266,6 @@ def prepare_data(
             f"resuming response generation at prompt {len(done.sequences)} of {len(prompts)}",
             file=sys.stderr,
         )
-    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for start in range(len(done.sequences), len(prompts), chunk_size):
         chunk = generate_responses(
@@ -264,20 +290,49 @@ def prepare_data(
 
 @torch.inference_mode()
 def compute_features(
-    target: Any, data: TrainingData, layer_ids: Sequence[int], *, progress: bool = True
+    target: Any,
+    data: TrainingData,
+    layer_ids: Sequence[int],
+    *,
+    max_batch_tokens: int = 4096,
+    progress: bool = True,
 ) -> list[torch.Tensor]:
-    """Context features [T, k*H] of every sequence (stored in the target's dtype, on the CPU)."""
+    """Context features [T, k*H] of every sequence (stored in the target's dtype, on the CPU).
+
+    Sequences of similar length run together, right-padded to the longest, up to
+    ``max_batch_tokens`` tokens per forward: under causal attention a position never sees the
+    padding after it, so each row's features are those of the sequence alone.
+    """
     from tqdm.auto import tqdm
 
     device = target.get_input_embeddings().weight.device
     select = [i + 1 for i in layer_ids]
-    feats = []
-    for seq in tqdm(data.sequences, desc="context features", unit="seq", disable=not progress):
+    order = sorted(range(len(data.sequences)), key=lambda i: len(data.sequences[i]))
+    feats: list[torch.Tensor | None] = [None] * len(order)
+    bar = tqdm(total=len(order), desc="context features", unit="seq", disable=not progress)
+    start = 0
+    while start < len(order):
+        # sorted by length, so the last sequence of a batch is its longest
+        end = start + 1
+        while end < len(order) and (end - start + 1) * len(data.sequences[order[end]]) <= (
+            max_batch_tokens
+        ):
+            end += 1
+        idx = order[start:end]
+        width = len(data.sequences[idx[-1]])
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, : len(data.sequences[i])] = data.sequences[i]
         # the decoder alone: the lm_head's logits over the vocabulary are not needed here
         out = target.get_decoder()(
-            input_ids=seq.unsqueeze(0).to(device), output_hidden_states=select, use_cache=False
+            input_ids=ids.to(device), output_hidden_states=select, use_cache=False
         )
-        feats.append(extract_context_features(out.hidden_states, layer_ids)[0].cpu())
+        batch = extract_context_features(out.hidden_states, layer_ids).cpu()
+        for row, i in enumerate(idx):
+            feats[i] = batch[row, : len(data.sequences[i])].clone()
+        bar.update(len(idx))
+        start = end
+    bar.close()
     return feats
 
 
@@ -287,41 +342,80 @@ def compute_features(
 
 
 def build_training_batch(
-    tokens: torch.Tensor,
-    anchors: torch.Tensor,
+    tokens: torch.Tensor | Sequence[torch.Tensor],
+    anchors: torch.Tensor | Sequence[torch.Tensor],
     block_size: int,
     mask_token_id: int,
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
-    """Inputs for one drafter forward over ``len(anchors)`` blocks of one sequence.
+    """Inputs for one drafter forward over anchor blocks of ``b`` sequences at once.
 
-    Returns ``block_tokens`` [M*B], ``position_ids`` [1, T + M*B], an additive ``attention_mask``
-    [1, 1, M*B, T + M*B] (block ``j`` sees context positions ``< anchors[j]`` and its own ``B``
-    positions) and ``labels`` [M, B-1] (``-100`` past the end of the sequence). The caller applies
-    the position weights ``exp(-(k-1)/gamma)``.
+    ``tokens`` is one sequence or a list of ``b``; ``anchors`` the matching anchor positions (one
+    tensor per sequence). With ``T`` the longest sequence and ``M`` the most anchors, returns
+    ``block_tokens`` [b, M*B], ``position_ids`` [b, T + M*B], an additive ``attention_mask``
+    [b, 1, M*B, T + M*B] and ``labels`` [b, M, B-1]. Block ``j`` of a sequence sees that
+    sequence's context positions ``< anchors[j]`` and its own ``B`` positions, nothing else;
+    labels are the tokens ``anchor+1 .. anchor+B-1`` (``-100`` past the end of the sequence and
+    for padding blocks). Context features are padded to ``T`` with anything: no block sees them.
+    The caller applies the position weights ``exp(-(k-1)/gamma)``.
     """
-    T = tokens.shape[0]
-    M, B = anchors.shape[0], block_size
+    if isinstance(tokens, torch.Tensor):
+        tokens, anchors = [tokens], [anchors]
+    b, B = len(tokens), block_size
+    T = max(int(t.shape[0]) for t in tokens)
+    M = max(int(a.shape[0]) for a in anchors)
     offsets = torch.arange(B)
-    block_tokens = torch.full((M, B), mask_token_id, dtype=torch.long)
-    block_tokens[:, 0] = tokens[anchors]
-    positions = torch.cat([torch.arange(T), (anchors[:, None] + offsets).reshape(-1)])
-    visible_ctx = torch.arange(T)[None, :] < anchors[:, None]  # [M, T]
-    visible_ctx = visible_ctx.repeat_interleave(B, dim=0)  # [M*B, T]
+    block_tokens = torch.full((b, M, B), mask_token_id, dtype=torch.long)
+    positions = torch.zeros((b, T + M * B), dtype=torch.long)
+    visible = torch.zeros((b, M * B, T + M * B), dtype=torch.bool)
+    labels = torch.full((b, M, B - 1), -100, dtype=torch.long)
     block_of = torch.arange(M).repeat_interleave(B)
-    visible_blk = block_of[:, None] == block_of[None, :]  # [M*B, M*B]
-    visible = torch.cat([visible_ctx, visible_blk], dim=1)
+    for r, (seq, anc) in enumerate(zip(tokens, anchors)):
+        n, m = int(seq.shape[0]), int(anc.shape[0])
+        block_tokens[r, :m, 0] = seq[anc]
+        positions[r, :T] = torch.arange(T)
+        positions[r, T : T + m * B] = (anc[:, None] + offsets).reshape(-1)
+        ctx = torch.arange(T)[None, :] < anc[:, None]  # [m, T]
+        visible[r, : m * B, :T] = ctx.repeat_interleave(B, dim=0)
+        own = block_of[: m * B, None] == block_of[None, : m * B]
+        visible[r, : m * B, T : T + m * B] = own
+        target_pos = anc[:, None] + offsets[1:]  # [m, B-1]
+        labels[r, :m] = torch.where(
+            target_pos < n, seq[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100)
+        )
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    target_pos = anchors[:, None] + offsets[1:]  # [M, B-1]
-    labels = torch.where(
-        target_pos < T, tokens[target_pos.clamp(max=T - 1)], torch.full_like(target_pos, -100)
-    )
     return {
-        "block_tokens": block_tokens.reshape(-1),
-        "position_ids": positions.unsqueeze(0),
-        "attention_mask": mask[None, None],
+        "block_tokens": block_tokens.reshape(b, M * B),
+        "position_ids": positions,
+        "attention_mask": mask[:, None],
         "labels": labels,
     }
+
+
+def choose_draft_vocab(
+    data: TrainingData, coverage: float, always: Sequence[int] = ()
+) -> tuple[list[int], float]:
+    """The draft vocabulary of the EAGLE-3 / FR-Spec method: the smallest set of the most frequent
+    response tokens of ``data`` that covers at least ``coverage`` of all response tokens, plus the
+    ids in ``always`` (stop tokens). Returns the sorted target ids and the coverage they reach."""
+    responses = [s[p:] for s, p in zip(data.sequences, data.prompt_lengths)]
+    flat = torch.cat(responses) if responses else torch.zeros(0, dtype=torch.long)
+    if flat.numel() == 0:
+        raise InvalidInputError("no response tokens to choose a draft vocabulary from")
+    counts = torch.bincount(flat)
+    order = torch.argsort(counts, descending=True, stable=True)
+    cumulative = torch.cumsum(counts[order], 0).double() / flat.numel()
+    k = int(torch.searchsorted(cumulative, torch.tensor([coverage], dtype=torch.float64))) + 1
+    k = min(k, int((counts > 0).sum()))
+    ids = sorted(set(order[:k].tolist()) | {int(t) for t in always})
+    return ids, draft_vocab_coverage(data, ids)
+
+
+def draft_vocab_coverage(data: TrainingData, token_ids: Sequence[int] | torch.Tensor) -> float:
+    """The share of ``data``'s response tokens that are in ``token_ids``."""
+    responses = torch.cat([s[p:] for s, p in zip(data.sequences, data.prompt_lengths)])
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    return float(torch.isin(responses, ids).double().mean()) if responses.numel() else 0.0
 
 
 def _lr_at(step: int, config: TrainConfig) -> float:
@@ -336,52 +430,74 @@ class _Trainer:
     def __init__(self, drafter, target, features, data, config, device):
         self.drafter, self.config, self.device = drafter, config, device
         self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
-        for p in list(self.embed.parameters()) + list(self.lm_head.parameters()):
-            p.requires_grad_(False)
+        self.embed.requires_grad_(False)
+        ids = drafter.draft_token_ids
+        # the target's lm_head, or its rows of the draft vocabulary (frozen either way)
+        self.lm_head = draft_lm_head(target.get_output_embeddings(), ids).requires_grad_(False)
+        self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
+        if ids is not None:
+            vocab = int(target.config.get_text_config().vocab_size)
+            self.label_map = torch.full((vocab,), -100, dtype=torch.long)
+            self.label_map[ids.cpu()] = torch.arange(ids.numel())
         self.features, self.data = features, data
         B = config.block_size
         self.position_weights = torch.exp(
             -torch.arange(B - 1, dtype=torch.float32) / config.gamma
         ).to(device)
 
-    def sample_loss(self, i: int, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-        cfg = self.config
-        tokens = self.data.sequences[i]
-        P, T = self.data.prompt_lengths[i], tokens.shape[0]
-        candidates = torch.arange(P, T - 1)
-        M = min(cfg.anchors_per_sample, candidates.numel())
-        anchors = (
-            candidates[torch.randperm(candidates.numel(), generator=generator)[:M]].sort().values
-        )
+    def batch_loss(self, sample_ids: Sequence[int], generator: torch.Generator):
+        """Weighted cross-entropy of ``anchors_per_sample`` random blocks of each sample, all in
+        one drafter forward; returns the loss and the acceptance statistics of the batch."""
+        cfg, dev = self.config, self.device
+        seqs, anchors = [], []
+        for i in sample_ids:
+            tokens = self.data.sequences[i]
+            P, T = self.data.prompt_lengths[i], tokens.shape[0]
+            candidates = torch.arange(P, T - 1)
+            M = min(cfg.anchors_per_sample, candidates.numel())
+            perm = torch.randperm(candidates.numel(), generator=generator)[:M]
+            seqs.append(tokens)
+            anchors.append(candidates[perm].sort().values)
         dtype = self.drafter.fc.weight.dtype
         batch = build_training_batch(
-            tokens, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
+            seqs, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
         )
-        dev = self.device
-        noise = self.embed(batch["block_tokens"].to(dev)).to(dtype).unsqueeze(0)
-        hidden = self.drafter(
-            noise_embedding=noise,
-            target_hidden=self.features[i].to(dev, dtype).unsqueeze(0),
-            position_ids=batch["position_ids"].to(dev),
-            attention_mask=batch["attention_mask"].to(dev),
-        )
-        B = cfg.block_size
-        h = hidden[0].view(M, B, -1)[:, 1:]  # [M, B-1, H]
-        labels = batch["labels"].to(dev)
-        valid = labels >= 0
-        logits = self.lm_head(h[valid].to(self.lm_head.weight.dtype)).float()
+        T = batch["position_ids"].shape[1] - batch["block_tokens"].shape[1]
+        width = self.drafter.fc.in_features
+        hidden_in = torch.zeros((len(seqs), T, width), dtype=dtype)
+        for r, i in enumerate(sample_ids):
+            feats = self.features[i]
+            hidden_in[r, : feats.shape[0]] = feats.to(dtype)
+        labels = batch["labels"].to(dev)  # [b, M, B-1], target ids
+        in_range = labels >= 0
+        if self.label_map is not None:
+            labels = torch.where(in_range, self.label_map.to(dev)[labels.clamp(min=0)], labels)
+        valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
+        amp = cfg.precision == "bfloat16"
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            noise = self.embed(batch["block_tokens"].to(dev)).to(dtype)
+            hidden = self.drafter(
+                noise_embedding=noise,
+                target_hidden=hidden_in.to(dev),
+                position_ids=batch["position_ids"].to(dev),
+                attention_mask=batch["attention_mask"].to(dev),
+            )
+            b, M, B = labels.shape[0], labels.shape[1], cfg.block_size
+            h = hidden.view(b, M, B, -1)[:, :, 1:]  # [b, M, B-1, H]
+            logits = self.lm_head(h[valid].to(self.lm_head.weight.dtype)).float()
         ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")
-        w = self.position_weights.expand(M, -1)[valid]
+        w = self.position_weights.expand(b, M, -1)[valid]
         loss = (w * ce).sum() / w.sum()
         with torch.no_grad():
             correct = torch.zeros_like(labels, dtype=torch.bool)
             correct[valid] = logits.argmax(-1) == labels[valid]
-            # acceptance of a chain draft, block by block: leading run of correct predictions
-            run = torch.cumprod((correct | ~valid).float(), dim=1) * valid.float()
+            # acceptance of a chain draft, block by block: the leading run of correct predictions
+            # (a token outside the draft vocabulary ends it, as it would when decoding)
+            run = torch.cumprod((correct | ~in_range).float(), dim=-1) * in_range.float()
+            blocks = in_range[..., 0]
             stats = {
-                "top1": correct[:, 0].float().mean().item(),
-                "accept": run.sum(1).mean().item(),
+                "top1": correct[..., 0][blocks].float().mean().item(),
+                "accept": run.sum(-1)[blocks].mean().item(),
             }
         return loss, stats
 
@@ -446,6 +562,8 @@ def train_drafter(
     progress: bool = True,
     device: torch.device | str | None = None,
     stop_after: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    init_from: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Train (or resume training) a DFlash drafter for ``target`` on ``data``.
 
@@ -453,7 +571,11 @@ def train_drafter(
     trainer state) every ``save_every`` steps and at the end, ``output_dir/features.safetensors``
     (cached context features) and ``output_dir/train_log.jsonl`` (the learning curve). Returns
     the last log entry. ``stop_after`` ends this call after that many steps (a later call
-    resumes); an interrupt (Ctrl-C) also saves a checkpoint before it propagates. A resumed run
+    resumes); an interrupt (Ctrl-C) also saves a checkpoint before it propagates.
+    ``stop_token_ids`` always join a draft vocabulary. ``init_from`` starts a new run from the
+    weights of a drafter in the released format (for example the one shipped, to train it
+    further in a later session on a fresh machine) instead of random weights; its architecture
+    and draft vocabulary are kept, and a fresh optimiser starts. A resumed run
     with the same settings continues exactly as an uninterrupted one would; ``steps`` may change
     on resume, and the learning-rate schedule then follows the new total.
     """
@@ -472,8 +594,18 @@ def train_drafter(
     if resume and (ckpt / "trainer_state.json").is_file():
         state = json.loads((ckpt / "trainer_state.json").read_text())
         drafter = _resumed_drafter(ckpt, state, config)
+    elif init_from is not None:
+        drafter = load_trained_drafter(init_from).float()
+        if drafter.config.num_hidden_layers != config.num_layers or (
+            drafter.block_size != config.block_size
+        ):
+            raise InvalidInputError(
+                f"{init_from} has {drafter.config.num_hidden_layers} layers and block size "
+                f"{drafter.block_size}; pass the same --num-layers and --block-size"
+            )
+        print(f"starting from the weights of {init_from}", file=sys.stderr)
     else:
-        drafter = _new_drafter(target, data, config)
+        drafter = _new_drafter(target, data, config, stop_token_ids)
     config.target_layer_ids = list(drafter.target_layer_ids)
     config.mask_token_id = drafter.mask_token_id
     check_drafter_fits_target(drafter, target.config)
@@ -483,7 +615,7 @@ def train_drafter(
         features = _cached_features(
             target, data, config.target_layer_ids, out / "features.safetensors", progress
         )
-    train_ids, eval_ids = _split(data, config)
+    train_ids, eval_ids = split_samples(data, config)
     trainer = _Trainer(drafter, target, features, data, config, device)
     optimizer = torch.optim.AdamW(
         drafter.parameters(),
@@ -550,7 +682,7 @@ def _terminate_as_interrupt() -> Any:
 def _resumed_drafter(ckpt: Path, state: dict, config: TrainConfig) -> DFlashDraftModel:
     # The length of the run and how often it reports may change on resume; settings left as
     # None are derived, and come from the checkpoint.
-    free = ("steps", "save_every", "eval_every")
+    free = ("steps", "save_every", "eval_every", "precision")
     now = {k: v for k, v in asdict(config).items() if k not in free and v is not None}
     saved = {k: v for k, v in state["config"].items() if k in now}
     if saved != now:
@@ -561,7 +693,9 @@ def _resumed_drafter(ckpt: Path, state: dict, config: TrainConfig) -> DFlashDraf
     return DFlashDraftModel.from_pretrained(ckpt, dtype=torch.float32)
 
 
-def _new_drafter(target: Any, data: TrainingData, config: TrainConfig) -> DFlashDraftModel:
+def _new_drafter(
+    target: Any, data: TrainingData, config: TrainConfig, stop_token_ids: Sequence[int] = ()
+) -> DFlashDraftModel:
     torch.manual_seed(config.seed)
     tcfg = target.config.get_text_config()
     mask_id = config.mask_token_id
@@ -570,12 +704,21 @@ def _new_drafter(target: Any, data: TrainingData, config: TrainConfig) -> DFlash
     layer_ids = config.target_layer_ids or default_target_layer_ids(
         int(tcfg.num_hidden_layers), config.num_feature_layers
     )
+    vocab = None
+    if config.draft_vocab_coverage is not None:
+        vocab, covered = choose_draft_vocab(data, config.draft_vocab_coverage, stop_token_ids)
+        print(
+            f"draft vocabulary: {len(vocab)} of {tcfg.vocab_size} tokens, covering "
+            f"{100 * covered:.2f}% of the response tokens",
+            file=sys.stderr,
+        )
     drafter = DFlashDraftModel.for_target(
         tcfg,
         mask_token_id=mask_id,
         num_layers=config.num_layers,
         block_size=config.block_size,
         target_layer_ids=layer_ids,
+        draft_token_ids=vocab,
         dtype=torch.float32,
     )
     # Start the drafter's output norm at a tenth of the target's final norm: a random drafter's
@@ -589,7 +732,7 @@ def _new_drafter(target: Any, data: TrainingData, config: TrainConfig) -> DFlash
     return drafter
 
 
-def _split(data: TrainingData, config: TrainConfig) -> tuple[list[int], list[int]]:
+def split_samples(data: TrainingData, config: TrainConfig) -> tuple[list[int], list[int]]:
     """Deterministic train / held-out split of the samples that have something to learn."""
     usable = [
         i for i, (s, p) in enumerate(zip(data.sequences, data.prompt_lengths)) if len(s) - 1 > p
@@ -611,18 +754,14 @@ def _train_step(trainer: _Trainer, optimizer, train_ids, eval_ids, step: int) ->
     for group in optimizer.param_groups:
         group["lr"] = _lr_at(step, config)
     optimizer.zero_grad(set_to_none=True)
-    losses, accepts = [], []
-    for j in picks:
-        loss, stats = trainer.sample_loss(train_ids[j], step_gen)
-        (loss / config.samples_per_step).backward()
-        losses.append(loss.item())
-        accepts.append(stats["accept"])
+    loss, stats = trainer.batch_loss([train_ids[j] for j in picks], step_gen)
+    loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip).item()
     optimizer.step()
     entry = {
         "step": step + 1,
-        "loss": sum(losses) / len(losses),
-        "train_accept": sum(accepts) / len(accepts),
+        "loss": loss.item(),
+        "train_accept": stats["accept"],
         "lr": optimizer.param_groups[0]["lr"],
         "grad_norm": grad_norm,
         "step_s": round(time.perf_counter() - t0, 3),
@@ -637,13 +776,14 @@ def _evaluate(trainer: _Trainer, eval_ids: list[int], seed: int) -> dict[str, fl
     trainer.drafter.eval()
     g = torch.Generator().manual_seed(seed + 17)
     losses, top1, accept = [], [], []
-    for i in eval_ids:
-        loss, stats = trainer.sample_loss(i, g)
+    size = trainer.config.samples_per_step
+    for k in range(0, len(eval_ids), size):
+        loss, stats = trainer.batch_loss(eval_ids[k : k + size], g)
         losses.append(loss.item())
         top1.append(stats["top1"])
         accept.append(stats["accept"])
     trainer.drafter.train()
-    n = len(eval_ids)
+    n = len(losses)
     return {
         "eval_loss": sum(losses) / n,
         "eval_top1": sum(top1) / n,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -222,6 +222,11 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         return int(self.depths.max()) if len(self) else 0
+
+    def map_tokens(self, table: np.ndarray) -> DraftTree:
+        """The same tree with every token id ``t`` replaced by ``table[t]`` (draft vocabulary ids
+        to target ids)."""
+        return replace(self, token_ids=np.asarray(table)[self.token_ids])
 
     # ---- structure ------------------------------------------------------------------------------
 

@@ -30,6 +30,14 @@ Checkpoint format (``config.json`` + ``model.safetensors``), as released::
     layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
     layers.{i}.self_attn.{q,k}_norm.weight
 
+**Draft vocabulary** (optional; the EAGLE-3 / FR-Spec convention). A drafter may score only ``K``
+of the target's ``V`` tokens (the most frequent ones of its training responses, plus the stop
+tokens): ``config.json`` then has ``draft_vocab_size: K`` and the weights a buffer ``d2t``, int64
+``[K]``, with ``target id = draft id + d2t[draft id]``. The drafter reads its logits through those
+``K`` rows of the target's lm_head, trees are built over draft ids and mapped to target ids before
+verification. Checkpoints without ``draft_vocab_size`` (the released DFlash drafters) use the full
+vocabulary.
+
 :class:`DFlashDraftModel` is the ``torch`` module (load with ``from_pretrained``, save with
 ``save_pretrained``); :class:`DFlashProposer` runs it once per decoding round.
 """
@@ -64,6 +72,7 @@ __all__ = [
     "DFlashSettings",
     "check_drafter_fits_target",
     "default_target_layer_ids",
+    "draft_lm_head",
 ]
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -100,12 +109,15 @@ class DFlashSettings:
         mask_token_id: token id of the MASK placeholder, embedded by the target's ``embed_tokens``.
         target_layer_ids: the ``k`` target layers whose outputs are the context features.
         num_target_layers: the number of layers of the target the drafter was trained for, if known.
+        draft_vocab_size: ``K`` when the drafter scores a draft vocabulary of ``K`` target tokens
+            (see the module docstring), else ``None`` (the full vocabulary).
     """
 
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int | None
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> DFlashSettings:
@@ -153,11 +165,17 @@ class DFlashSettings:
             raise CheckpointError(
                 f"num_target_layers must be an integer, got {num_target_layers!r}"
             )
+        draft_vocab = getattr(config, "draft_vocab_size", None)
+        if draft_vocab is not None and (not _is_int(draft_vocab) or draft_vocab < 1):
+            raise CheckpointError(
+                f"draft_vocab_size must be a positive integer, got {draft_vocab!r}"
+            )
         return cls(
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=None if num_target_layers is None else int(num_target_layers),
+            draft_vocab_size=draft_vocab,
         )
 
 
@@ -309,6 +327,11 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if self.settings.draft_vocab_size is not None:
+            # target id = draft id + d2t[draft id] (EAGLE-3's layout); loaded with the weights
+            self.register_buffer(
+                "d2t", torch.zeros(self.settings.draft_vocab_size, dtype=torch.long)
+            )
         self.post_init()
 
     @property
@@ -322,6 +345,13 @@ class DFlashDraftModel(PreTrainedModel):
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.settings.target_layer_ids
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """Target token id of each draft id, int64 [K] (``None``: the full vocabulary)."""
+        if self.settings.draft_vocab_size is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
     def forward(
         self,
@@ -364,6 +394,7 @@ class DFlashDraftModel(PreTrainedModel):
         num_layers: int = 1,
         block_size: int = 16,
         target_layer_ids: Sequence[int] | None = None,
+        draft_token_ids: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         **config_overrides: Any,
     ) -> DFlashDraftModel:
@@ -372,7 +403,8 @@ class DFlashDraftModel(PreTrainedModel):
         Hidden size, heads, head size, MLP width, norm epsilon and rotary settings are copied from
         the target; ``config_overrides`` replace any Qwen3Config field. ``target_layer_ids`` defaults
         to :func:`default_target_layer_ids` with one id per drafter layer. The config records
-        ``block_size`` at top level, as the released "-b16" drafters do.
+        ``block_size`` at top level, as the released "-b16" drafters do. ``draft_token_ids``
+        (distinct target ids, sorted here) makes a drafter with that draft vocabulary.
         """
         target = target_config.get_text_config()
         n_target = int(target.num_hidden_layers)
@@ -404,8 +436,18 @@ class DFlashDraftModel(PreTrainedModel):
                 "target_layer_ids": [int(i) for i in target_layer_ids],
             },
         }
+        ids = None
+        if draft_token_ids is not None:
+            ids = torch.tensor(sorted({int(t) for t in draft_token_ids}), dtype=torch.long)
+            if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= int(target.vocab_size):
+                raise InvalidInputError(
+                    f"draft_token_ids must be target token ids in [0, {target.vocab_size})"
+                )
+            fields["draft_vocab_size"] = int(ids.numel())
         fields.update(config_overrides)
         model = cls(Qwen3Config(**fields))
+        if ids is not None:
+            model.d2t.copy_(ids - torch.arange(ids.numel()))
         return model if dtype is None else model.to(dtype)
 
     @classmethod
@@ -486,6 +528,35 @@ def check_drafter_fits_target(drafter: DFlashDraftModel, target_config: Pretrain
             f"the drafter's mask_token_id {drafter.mask_token_id} is outside the target's "
             f"vocabulary of {vocab} tokens"
         )
+    ids = drafter.draft_token_ids
+    if ids is not None and (
+        ids.numel() > vocab
+        or bool((ids < 0).any())
+        or bool((ids >= vocab).any())
+        or torch.unique(ids).numel() != ids.numel()
+    ):
+        raise CheckpointError(
+            f"the drafter's draft vocabulary (d2t) does not map to {ids.numel()} distinct token "
+            f"ids of the target's vocabulary of {vocab}; the checkpoint is damaged or was made "
+            "for another target"
+        )
+
+
+def draft_lm_head(lm_head: nn.Module, draft_token_ids: torch.Tensor | None) -> nn.Module:
+    """``lm_head`` itself, or (with a draft vocabulary) a frozen linear layer of its rows
+    ``draft_token_ids``: draft logit ``i`` is the target's logit of token ``draft_token_ids[i]``."""
+    if draft_token_ids is None:
+        return lm_head
+    weight = lm_head.weight
+    rows = draft_token_ids.to(weight.device)
+    bias = getattr(lm_head, "bias", None)
+    head = nn.Linear(weight.shape[1], rows.numel(), bias=bias is not None)
+    head = head.to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight[rows])
+        if bias is not None:
+            head.bias.copy_(bias[rows])
+    return head.requires_grad_(False)
 
 
 class DFlashProposer:
@@ -506,7 +577,8 @@ class DFlashProposer:
        cache and runs the block ``[b, MASK x (B-1)]`` at positions ``start .. start+B-1``. It
        returns the draft logits of block positions ``1 .. B-1`` through the target's lm_head,
        [B-1, V]: row ``i`` is the drafter's marginal ``q_{i+1}`` for position ``start + 1 + i``.
-       The block's keys/values are dropped again, so afterwards ``context_length == start``.
+       With a draft vocabulary the logits are over the ``K`` draft ids, [B-1, K], and
+       ``token_map`` translates draft ids to target ids. The block's keys/values are dropped again, so afterwards ``context_length == start``.
     2. ``crop(length)`` cuts the cached context back to its first ``length`` tokens (to roll back,
        or to restart drafting from an earlier committed length); the next ``propose`` must then
        pass the features from position ``length`` on.
@@ -517,9 +589,13 @@ class DFlashProposer:
         check_drafter_fits_target(drafter, target_model.config)
         self.drafter = drafter
         self.embed_tokens = target_model.get_input_embeddings()
-        self.lm_head = target_model.get_output_embeddings()
-        if self.embed_tokens is None or self.lm_head is None:
+        lm_head = target_model.get_output_embeddings()
+        if self.embed_tokens is None or lm_head is None:
             raise CheckpointError("the target model must have input embeddings and an lm_head")
+        ids = drafter.draft_token_ids
+        self.lm_head = draft_lm_head(lm_head, ids)
+        #: target id of each draft id (numpy int64 [K]), or ``None`` with the full vocabulary
+        self.token_map = None if ids is None else ids.cpu().numpy()
         self.reset()
 
     @property

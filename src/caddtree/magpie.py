@@ -1,0 +1,295 @@
+"""Self-synthesised training prompts (the Magpie method) and user prompt files.
+
+Magpie: an instruction-tuned target, given only its chat template up to the start of a user turn
+(the *pre-query template*), writes a plausible user query itself. Sampled at temperature 1 with a
+few system prompts that steer it toward code, math, explanation, writing and everyday questions
+(and with none), it yields as many distinct prompts as one cares to generate, offline and in the
+target's own distribution. Queries are then filtered (:func:`filter_queries`): unfinished,
+degenerate (repetitive, too short or too long, leaking template markers) and near-duplicate
+queries (word 3-gram Jaccard similarity) are dropped. The caller also drops every query that
+overlaps a benchmark prompt (:class:`caddtree.data.OverlapIndex`).
+
+Generation is resumable: raw queries go to a JSON-lines file, rewritten atomically after each
+batch; each batch is seeded from ``(seed, batch index)``, so a resumed run produces what an
+uninterrupted one would.
+
+:func:`read_prompt_file` reads a user's own prompts (``--prompts FILE.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidInputError
+from .files import atomic_write_text
+
+__all__ = [
+    "PERSONAS",
+    "MagpieFilterReport",
+    "filter_queries",
+    "generate_queries",
+    "pre_query_ids",
+    "read_prompt_file",
+]
+
+# System prompts that steer the queries (None: the template's own default, or no system turn).
+PERSONAS: dict[str, str | None] = {
+    "none": None,
+    "code": "You are an expert Python programmer. Users ask you to write, fix, explain and test "
+    "code, and you answer with working code and a short explanation.",
+    "math": "You are a patient math tutor. Users ask you arithmetic, algebra and word problems, "
+    "and you solve them step by step.",
+    "explain": "You are a knowledgeable teacher. Users ask you to explain ideas from science, "
+    "history, technology and everyday life.",
+    "writing": "You are a writing assistant. Users ask you to write, rewrite, summarise or "
+    "continue emails, stories, essays, poems and posts.",
+    "everyday": "You are a friendly assistant. Users ask you everyday questions about cooking, "
+    "travel, health, money, hobbies and advice.",
+}
+
+_SENTINEL = "\x00MAGPIE-QUERY\x00"
+
+
+def pre_query_ids(tokenizer: Any, system: str | None = None) -> list[int]:
+    """Token ids of the chat template up to where the user's first message starts.
+
+    Renders a conversation with a placeholder user message (after ``system`` when given) and
+    keeps the text before the placeholder, so any chat template works, not only ChatML.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidInputError("Magpie prompts need a target whose tokenizer has a chat template")
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    messages.append({"role": "user", "content": _SENTINEL})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    head, found, _ = text.partition(_SENTINEL)
+    if not found:
+        raise InvalidInputError("the chat template does not include the user's message as is")
+    return [int(t) for t in tokenizer(head, add_special_tokens=False)["input_ids"]]
+
+
+def _read_raw(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn line cannot occur with atomic rewrites, but never trust a file
+    return records
+
+
+def generate_queries(
+    target: Any,
+    tokenizer: Any,
+    count: int,
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    personas: dict[str, str | None] | None = None,
+    batch_size: int = 128,
+    max_new_tokens: int = 64,
+    stop_token_ids: Sequence[int] = (),
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Sample at least ``count`` raw user queries from ``target`` (resumable through ``path``).
+
+    Batch ``b`` uses persona ``b % len(personas)`` and the random seed ``(seed, b)``. Each record
+    is ``{"batch", "persona", "query", "finished"}``; ``finished`` is whether the query ended with
+    a stop token within ``max_new_tokens``.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    personas = PERSONAS if personas is None else personas
+    if not personas:
+        raise InvalidInputError("need at least one persona")
+    path = Path(path)
+    records = _read_raw(path)
+    done_batches = {r["batch"] for r in records}
+    n_batches = -(-count // batch_size)
+    names = list(personas)
+    stops = {int(t) for t in stop_token_ids}
+    device = target.get_input_embeddings().weight.device
+    todo = [b for b in range(n_batches) if b not in done_batches]
+    bar = tqdm(
+        total=n_batches * batch_size,
+        initial=(n_batches - len(todo)) * batch_size,
+        desc="Magpie queries",
+        unit="query",
+        disable=not progress,
+    )
+    for b in todo:
+        name = names[b % len(names)]
+        prefix = torch.tensor([pre_query_ids(tokenizer, personas[name])], device=device)
+        ids = prefix.repeat(batch_size, 1)
+        torch.manual_seed(seed * 1_000_003 + b)
+        with torch.inference_mode():
+            out = target.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=sorted(stops) or None,
+                pad_token_id=sorted(stops)[0] if stops else 0,
+                cache_implementation="static",
+            )
+        for row in out[:, prefix.shape[1] :].tolist():
+            cut = next((j for j, t in enumerate(row) if t in stops), None)
+            text = tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
+            records.append(
+                {"batch": b, "persona": name, "query": text.strip(), "finished": cut is not None}
+            )
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+        bar.update(batch_size)
+    bar.close()
+    return records
+
+
+# ---- filtering ----------------------------------------------------------------------------------
+
+_WORD = re.compile(r"\w+")
+
+
+def _shingles(text: str, n: int = 3) -> set[tuple[str, ...]]:
+    words = _WORD.findall(text.casefold())
+    if len(words) < n:
+        return {tuple(words)} if words else set()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def _degenerate(text: str, min_chars: int, max_chars: int) -> str | None:
+    """Why ``text`` is no usable query, or ``None``."""
+    if not min_chars <= len(text) <= max_chars:
+        return "length"
+    if "<|" in text or "|>" in text or "\ufffd" in text:
+        return "markers"
+    words = _WORD.findall(text.casefold())
+    if len(words) < 4:
+        return "length"
+    if len(words) >= 12:
+        grams = [tuple(words[i : i + 3]) for i in range(len(words) - 2)]
+        if len(set(grams)) < 0.6 * len(grams) or len(set(words)) < 0.3 * len(words):
+            return "repetitive"
+    return None
+
+
+@dataclass
+class MagpieFilterReport:
+    """What :func:`filter_queries` kept and why it dropped the rest (counts per reason)."""
+
+    kept: list[str]
+    dropped: Counter = field(default_factory=Counter)
+    per_persona: Counter = field(default_factory=Counter)
+
+
+def filter_queries(
+    records: Sequence[dict[str, Any]],
+    *,
+    min_chars: int = 15,
+    max_chars: int = 1500,
+    max_jaccard: float = 0.5,
+    rare_shingle: int = 200,
+) -> MagpieFilterReport:
+    """Keep finished, non-degenerate queries that are no near-duplicate of one kept earlier.
+
+    Two queries are near-duplicates when the Jaccard similarity of their word 3-gram sets is at
+    least ``max_jaccard``. Candidates are found through shingles shared by at most
+    ``rare_shingle`` kept queries (a near-duplicate shares its rare shingles too), then compared
+    exactly.
+    """
+    report = MagpieFilterReport([])
+    kept_shingles: list[set] = []
+    index: dict[tuple[str, ...], list[int]] = {}
+    for rec in records:
+        text = rec["query"]
+        if not rec.get("finished", True):
+            report.dropped["unfinished"] += 1
+            continue
+        why = _degenerate(text, min_chars, max_chars)
+        if why:
+            report.dropped[why] += 1
+            continue
+        sh = _shingles(text)
+        candidates = Counter(
+            j for s in sh for j in index.get(s, ()) if len(index[s]) <= rare_shingle
+        )
+        duplicate = False
+        for j, _ in candidates.most_common(20):
+            other = kept_shingles[j]
+            inter = len(sh & other)
+            if inter / (len(sh) + len(other) - inter) >= max_jaccard:
+                duplicate = True
+                break
+        if duplicate:
+            report.dropped["near-duplicate"] += 1
+            continue
+        k = len(kept_shingles)
+        kept_shingles.append(sh)
+        for s in sh:
+            index.setdefault(s, []).append(k)
+        report.kept.append(text)
+        report.per_persona[rec.get("persona", "?")] += 1
+    return report
+
+
+# ---- user prompt files --------------------------------------------------------------------------
+
+
+def read_prompt_file(path: str | os.PathLike[str]) -> list[str | list[dict[str, str]]]:
+    """Prompts from a JSON-lines file: one ``{"prompt": "..."}`` or ``{"messages": [...]}`` per
+    line (blank lines skipped). ``messages`` is a chat ending with a user turn; each message has
+    a ``role`` and a string ``content``. A bad line raises :class:`InvalidInputError` naming it."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidInputError(f"cannot read the prompt file {path}: {err}") from err
+    prompts: list[str | list[dict[str, str]]] = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {no}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InvalidInputError(f"{where}: not valid JSON ({err.msg})") from err
+        if not isinstance(rec, dict) or ("prompt" in rec) == ("messages" in rec):
+            raise InvalidInputError(
+                f'{where}: expected an object with exactly one of "prompt" or "messages"'
+            )
+        if "prompt" in rec:
+            if not isinstance(rec["prompt"], str) or not rec["prompt"].strip():
+                raise InvalidInputError(f'{where}: "prompt" must be a non-empty string')
+            prompts.append(rec["prompt"])
+            continue
+        msgs = rec["messages"]
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
+            raise InvalidInputError(
+                f'{where}: "messages" must be a non-empty list of {{"role": str, "content": str}}'
+            )
+        if msgs[-1]["role"] != "user":
+            raise InvalidInputError(f'{where}: the last of "messages" must be a user turn')
+        prompts.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+    if not prompts:
+        raise InvalidInputError(f"the prompt file {path} holds no prompts")
+    return prompts

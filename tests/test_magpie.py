@@ -1,0 +1,128 @@
+"""Self-synthesised prompts (Magpie) and user prompt files: the pre-query template, resumable
+sampling, the quality and near-duplicate filter, and clear errors for bad prompt files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from caddtree import CaddtreeError
+from caddtree.data import OverlapIndex, build_training_prompts
+from caddtree.magpie import filter_queries, generate_queries, pre_query_ids, read_prompt_file
+from tiny_models import MASK_TOKEN_ID, qwen3_target
+from tiny_tokenizer import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer(MASK_TOKEN_ID)
+
+
+def test_pre_query_template_stops_where_the_user_turn_starts(tok):
+    assert tok.decode(pre_query_ids(tok)) == "u: "
+    assert tok.decode(pre_query_ids(tok, "be brief")) == "s: be brief\nu: "
+
+
+def test_generation_resumes_to_the_same_queries(tok, tmp_path):
+    target = qwen3_target()
+    personas = {"none": None, "short": "be brief"}
+    kwargs = dict(
+        personas=personas, batch_size=4, max_new_tokens=12, stop_token_ids=[1], progress=False
+    )
+    straight = generate_queries(target, tok, 12, tmp_path / "a.jsonl", seed=3, **kwargs)
+    assert len(straight) == 12
+    assert [r["persona"] for r in straight[::4]] == ["none", "short", "none"]
+    assert all(set(r) == {"batch", "persona", "query", "finished"} for r in straight)
+    # an interrupted run: only the first batch was saved
+    lines = (tmp_path / "a.jsonl").read_text().splitlines()
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    resumed = generate_queries(target, tok, 12, tmp_path / "b.jsonl", seed=3, **kwargs)
+    assert resumed == straight
+    other_seed = generate_queries(target, tok, 12, tmp_path / "c.jsonl", seed=4, **kwargs)
+    assert [r["query"] for r in other_seed] != [r["query"] for r in straight]
+
+
+def rec(query, finished=True, persona="none"):
+    return {"batch": 0, "persona": persona, "query": query, "finished": finished}
+
+
+def test_filter_drops_degenerate_and_near_duplicate_queries():
+    records = [
+        rec("How do I sort a list of dictionaries by a key in Python?"),
+        rec("How do I sort a list of dictionaries by a key in Python 3?"),  # near-duplicate
+        rec("how do i SORT a list of dictionaries by a key in python?!"),  # same words
+        rec("Write a short poem about the sea at night, with a rhyme in every line."),
+        rec("What is the capital of France and why is it famous?", finished=False),
+        rec("hi there"),  # too short
+        rec("buy now " * 20),  # repetitive
+        rec("Tell me about <|im_start|> tokens please, in detail."),  # template markers
+        rec("Explain how vaccines train the immune system, step by step.", persona="explain"),
+    ]
+    report = filter_queries(records)
+    assert report.kept == [
+        "How do I sort a list of dictionaries by a key in Python?",
+        "Write a short poem about the sea at night, with a rhyme in every line.",
+        "Explain how vaccines train the immune system, step by step.",
+    ]
+    assert report.dropped == {
+        "near-duplicate": 2,
+        "unfinished": 1,
+        "length": 1,
+        "repetitive": 1,
+        "markers": 1,
+    }
+    assert report.per_persona == {"none": 2, "explain": 1}
+
+
+def test_prompt_file_reads_prompts_and_chats(tmp_path):
+    path = tmp_path / "p.jsonl"
+    chat = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello"}]
+    path.write_text(
+        json.dumps({"prompt": "Write a limerick."}) + "\n\n" + json.dumps({"messages": chat}) + "\n"
+    )
+    assert read_prompt_file(path) == ["Write a limerick.", chat]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ('{"text": "hi"}', 'line 2: expected an object with exactly one of "prompt" or "messages"'),
+        ('{"prompt": "a", "messages": []}', "line 2: expected an object with exactly one"),
+        ('{"prompt": 3}', 'line 2: "prompt" must be a non-empty string'),
+        ('{"messages": [{"role": "user"}]}', 'line 2: "messages" must be a non-empty list'),
+        (
+            '{"messages": [{"role": "assistant", "content": "x"}]}',
+            'line 2: the last of "messages" must be a user turn',
+        ),
+        ("[1, 2]", "line 2: expected an object"),
+    ],
+)
+def test_bad_prompt_file_lines_are_named(tmp_path, line, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(CaddtreeError) as err:
+        read_prompt_file(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_or_empty_prompt_file_is_a_clear_error(tmp_path):
+    with pytest.raises(CaddtreeError, match="cannot read the prompt file"):
+        read_prompt_file(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(CaddtreeError, match="holds no prompts"):
+        read_prompt_file(tmp_path / "empty.jsonl")
+
+
+def test_chat_prompts_are_checked_against_benchmarks_turn_by_turn():
+    bench = (
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting culture."
+    )
+    index = OverlapIndex([bench])
+    chat_hit = [{"role": "system", "content": "x"}, {"role": "user", "content": bench}]
+    chat_ok = [{"role": "user", "content": "Plan a weekend in Lisbon for two people."}]
+    result = build_training_prompts(
+        sources={"file": lambda: [chat_hit, chat_ok, chat_ok]}, benchmark_index=index
+    )
+    assert result.prompts == [chat_ok] and result.overlap == 1 and result.duplicates == 1
