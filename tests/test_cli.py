@@ -239,10 +239,11 @@ def test_ar_baseline_dtypes_rule():
     from caddtree.errors import InvalidInputError
 
     bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-    # half precision on the CPU: float32 too; elsewhere, and for full precision, the run's only
+    # on the CPU the other of float32 and half precision; on a GPU bfloat16 for float32 only
     assert ar_baseline_dtypes("bfloat16", "cpu") == [bf16, fp32]
     assert ar_baseline_dtypes(fp16, "cpu", None) == [fp16, fp32]
-    assert ar_baseline_dtypes("float32", "cpu") == [fp32]
+    assert ar_baseline_dtypes("float32", "cpu") == [fp32, bf16]
+    assert ar_baseline_dtypes("float32", "cuda") == [fp32, bf16]
     assert ar_baseline_dtypes("float64", "cpu") == [fp64]
     assert ar_baseline_dtypes("bfloat16", "cuda") == [bf16]
     assert ar_baseline_dtypes("bfloat16", "cpu", "same") == [bf16]

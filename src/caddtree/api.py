@@ -86,9 +86,10 @@ def ar_baseline_dtypes(
     The list starts with the run's own dtype, always: that AR run is the lossless reference (the
     output a greedy method must reproduce). ``extra`` says what else to time:
 
-    * ``"auto"`` or ``None``: float32 as well when the run is bfloat16 or float16 on the CPU, where
-      plain decoding in float32 is often the faster choice; nothing else (on CUDA half precision is
-      the fast path, and float32/float64 runs have no cheaper full-precision alternative);
+    * ``"auto"`` or ``None``: on a CPU, where either can be the faster plain decoding (it depends
+      on the model and on the CPU's bfloat16 support), float32 for a bfloat16 or float16 run and
+      bfloat16 for a float32 run; on a GPU, where bfloat16 is the fast path, bfloat16 for a
+      float32 run only; nothing for a float64 run (exactness checks);
     * ``"same"``: nothing else;
     * a sequence of dtypes (or names :func:`resolve_dtype` accepts): those, in that order.
 
@@ -97,7 +98,10 @@ def ar_baseline_dtypes(
     dev = torch.device(device)
     run = resolve_dtype(dtype, dev)
     if extra is None or (isinstance(extra, str) and extra == "auto"):
-        others = [torch.float32] if dev.type == "cpu" and run in _CPU_SLOW_HALF else []
+        if run == torch.float32:
+            others = [torch.bfloat16]
+        else:
+            others = [torch.float32] if dev.type == "cpu" and run in _CPU_SLOW_HALF else []
     elif isinstance(extra, str) and extra == "same":
         others = []
     elif isinstance(extra, str):

@@ -175,17 +175,11 @@ def parse_methods(
 
 def default_ar_dtypes(dtype: str, device_type: str) -> list[str]:
     """The dtypes of the plain-decoding baselines that the default ``--methods`` adds next to
-    ``ar`` for a run in ``dtype`` (a canonical name, e.g. ``"bfloat16"``) on ``device_type``.
+    ``ar`` for a run in ``dtype`` (a canonical name, e.g. ``"bfloat16"``) on ``device_type``:
+    the rule of :func:`caddtree.api.ar_baseline_dtypes`, which ``generate --compare-ar`` uses."""
+    from .api import ar_baseline_dtypes, dtype_name
 
-    On a CPU either of float32 and bfloat16 can be the faster plain decoding (it depends on the
-    model and on the CPU's bfloat16 support), so the other one is measured too: ``float32`` for
-    a bfloat16 or float16 run, ``bfloat16`` for a float32 run. On a GPU bfloat16 is the faster
-    one, so only a float32 run gets ``bfloat16``. A float64 run (exactness tests) gets none."""
-    if dtype == "float64":
-        return []
-    if device_type == "cpu":
-        return ["bfloat16"] if dtype == "float32" else ["float32"]
-    return ["bfloat16"] if dtype == "float32" else []
+    return [dtype_name(d) for d in ar_baseline_dtypes(dtype, device_type)[1:]]
 
 
 def variant_cost_model(cost_model: Any, variant: str | None) -> Any:
