@@ -368,6 +368,10 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
     if args.stop_after is not None and args.stop_after < 1:
         raise InvalidInputError(f"--stop-after must be a positive integer, got {args.stop_after}")
+    if args.magpie < 0:
+        raise InvalidInputError(f"--magpie must be a non-negative integer, got {args.magpie}")
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise InvalidInputError(f"--max-prompts must be a positive integer, got {args.max_prompts}")
 
     config = TrainConfig(
         block_size=args.block_size,
@@ -435,7 +439,9 @@ def _train_drafter(args: argparse.Namespace) -> int:
         sources["magpie"] = lambda: magpie_report.kept
     if user_prompts is not None:
         sources["file"] = lambda: user_prompts
-    prompt_set = prompt_data.build_training_prompts(seed=args.seed, sources=sources)
+    prompt_set = prompt_data.build_training_prompts(
+        args.max_prompts, seed=args.seed, sources=sources
+    )
     print(
         f"training prompts: {len(prompt_set.prompts)} {prompt_set.sources} "
         f"(dropped {prompt_set.overlap} overlapping a benchmark, {prompt_set.duplicates} duplicates)",
@@ -677,6 +683,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--prompts",
         help='your own prompts: a JSON-lines file, one {"prompt": ...} or {"messages": [...]} '
         "per line",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        help="use only the first N prompts (after the seeded shuffle): train on the responses "
+        "generated so far, and grow the run later with a larger N or none",
     )
     p.add_argument(
         "--data-only",
