@@ -330,6 +330,10 @@ def test_prepare_data_grows_when_prompts_are_appended(target, tmp_path):
     )
     assert len(grown.sequences) == 3
     assert all(torch.equal(a, b) for a, b in zip(first.sequences, grown.sequences))
+    # a run on the first prompts only reuses the first responses, and leaves the file whole
+    fewer = prepare_data(target, tok, ["hello"], path, max_new_tokens=5, progress=False)
+    assert len(fewer.sequences) == 1 and torch.equal(fewer.sequences[0], first.sequences[0])
+    assert len(TrainingData.load(path).sequences) == 3
     with pytest.raises(ValueError, match="other prompts or settings"):
         prepare_data(target, tok, ["hello", "abc"], path, max_new_tokens=6, progress=False)
 

@@ -290,3 +290,81 @@ def test_caddtree_rejects_bad_arguments():
         build_caddtree(np.zeros((2, 3)), model, -5)
     with pytest.raises(InvalidInputError, match="max_budget"):
         build_caddtree(np.zeros((2, 3)), model, 0, max_budget=-1)
+
+
+# ---- lazy candidate reading (issue 10): the same trees as from fully sorted rows -----------------
+
+
+def reference_topk(logits: np.ndarray) -> TopK:
+    """Every token of every position, log-softmax in float64, sorted by value then token id."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max(axis=1, keepdims=True)
+    logp = x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+    ids = np.stack([np.lexsort((np.arange(x.shape[1]), -row)) for row in logp])
+    return TopK(np.take_along_axis(logp, ids, axis=1), ids)
+
+
+def assert_same_tree(a, b):
+    assert np.array_equal(a.token_ids, b.token_ids)
+    assert np.array_equal(a.parents, b.parents)
+    assert np.array_equal(a.depths, b.depths)
+    np.testing.assert_allclose(a.log_probs, b.log_probs, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    depth=st.integers(1, 6),
+    vocab=st.integers(1, 60),
+    levels=st.integers(1, 6),
+    budget=st.integers(0, 200),
+    first_k=st.sampled_from([1, 2, 3, 32]),
+    seed=st.integers(0, 10**6),
+)
+def test_lazy_reading_builds_the_reference_trees(depth, vocab, levels, budget, first_k, seed):
+    """Logits drawn from a few levels, so ties are everywhere (within a row and between prefixes);
+    a small first read forces the widening path."""
+    import caddtree.tree as tree_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tree_module, "FIRST_K", first_k)
+        check_lazy_against_reference(depth, vocab, levels, budget, seed)
+
+
+def check_lazy_against_reference(depth, vocab, levels, budget, seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(0, levels, size=(depth, vocab)).astype(np.float64) * 0.7
+    ref = reference_topk(logits)
+    assert_same_tree(build_ddtree(logits, budget), build_ddtree(ref, budget))
+    assert_same_tree(build_chain(logits), build_chain(ref))
+    n = np.arange(0, 257, 8)
+    cost = ConvexCostModel.fit({0: (n, 0.01 + 0.0004 * n + 1e-6 * n**2)}, draft_cost=0.003)
+    assert_same_tree(
+        build_caddtree(logits, cost, 0, max_budget=budget),
+        build_caddtree(ref, cost, 0, max_budget=budget),
+    )
+    # the torch path normalises with torch's logsumexp, whose last bits may differ from numpy's:
+    # where prefix scores tie exactly, either tied prefix is right; the scores must agree
+    via_torch, expected = build_ddtree(torch.tensor(logits), budget), build_ddtree(ref, budget)
+    via_torch.validate()
+    np.testing.assert_allclose(via_torch.log_probs, expected.log_probs, rtol=0, atol=1e-12)
+
+
+def test_widening_reads_only_what_the_expansion_reaches():
+    from caddtree.tree import FIRST_K, _Candidates, _expand
+
+    logits = np.random.default_rng(0).normal(size=(8, 5000))
+    logits[0] *= 0.01  # a flat first position: a big tree goes deep into its candidates
+    cands = _Candidates(logits)
+    tree = _expand(cands, 300)
+    assert len(tree) == 300
+    read = cands._k
+    assert read[0] > FIRST_K  # widened where the expansion went past the first read
+    assert all(k in (0, FIRST_K) or k > FIRST_K for k in read)
+    assert min(read) <= FIRST_K  # and not everywhere: confident positions stay narrow
+    assert_same_tree(tree, build_ddtree(reference_topk(logits), 300))
+
+
+def test_rows_of_ties_are_read_until_something_is_usable():
+    logits = np.zeros((2, 100))  # every token ties: the first read has nothing strictly better
+    tree = build_ddtree(logits, 3)
+    assert tree.token_ids.tolist() == [0, 1, 2] and tree.depths.tolist() == [1, 1, 1]

@@ -390,8 +390,9 @@ def decode(
             if draft_logits is not None
             else DraftTree.empty()
         )
-        if draft_logits is not None and proposer.token_map is not None:
-            tree = tree.map_tokens(proposer.token_map)  # draft vocabulary ids -> target ids
+        token_map = getattr(proposer, "token_map", None)  # proposers without one draft target ids
+        if draft_logits is not None and token_map is not None:
+            tree = tree.map_tokens(token_map)  # draft vocabulary ids -> target ids
         t2 = time.perf_counter()
         confidence = math.nan
         if draft_logits is not None:

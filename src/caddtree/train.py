@@ -240,9 +240,10 @@ def prepare_data(
     """Stage 1 with resume: generate responses chunk by chunk, saving ``path`` after each chunk.
 
     An interrupted run continues with the first prompt that has no response yet. The responses
-    already in ``path`` are reused when their prompts are the first prompts of ``prompts`` (same
-    tokens) and the settings match, so a run can also grow by appending prompts; anything else is
-    an error rather than silent reuse.
+    already in ``path`` are reused when their prompts and ``prompts`` agree as far as both go (same
+    tokens) and the settings match: a run can grow by appending prompts, and a run on the first
+    ``N`` prompts uses the first ``N`` responses of a larger file (which stays as it is). Anything
+    else is an error rather than silent reuse.
     """
     path = Path(path)
     settings = {"max_new_tokens": max_new_tokens, "stops": sorted(int(t) for t in stop_token_ids)}
@@ -251,7 +252,7 @@ def prepare_data(
     if path.is_file():
         done = TrainingData.load(path)
         saved = {k: done.meta.get(k) for k in settings}
-        same_prompts = len(done.sequences) <= len(prompt_ids) and all(
+        same_prompts = all(
             seq[:p].tolist() == ids
             for seq, p, ids in zip(done.sequences, done.prompt_lengths, prompt_ids)
         )
@@ -260,8 +261,9 @@ def prepare_data(
                 f"{path} holds responses for other prompts or settings ({saved}); delete it or "
                 "use another output directory"
             )
-        if len(done.sequences) == len(prompts):
-            return done
+        if len(done.sequences) >= len(prompts):
+            n = len(prompts)
+            return TrainingData(done.sequences[:n], done.prompt_lengths[:n], done.meta)
         print(
             f"resuming response generation at prompt {len(done.sequences)} of {len(prompts)}",
             file=sys.stderr,

@@ -159,6 +159,119 @@ def _is_torch_tensor(x: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
+# Candidates per position, read lazily
+# --------------------------------------------------------------------------------------------------
+
+FIRST_K = 32
+"""Candidates read per position at first; a position is widened (x4) only when the expansion
+reaches its last usable candidate."""
+
+
+class _Candidates:
+    """The drafter's candidates at each position, in the expansion's order, read on demand.
+
+    Row ``i`` lists the tokens of position ``i + 1`` by non-increasing log-probability, ties broken
+    by the lower token id, with ``log q`` normalised over the whole vocabulary (one logsumexp per
+    row; no log-softmax is materialised). A row is read the first time the expansion reaches its
+    depth, from a top-``k`` with ``k = FIRST_K``; it is widened (``k`` four times larger, up to the
+    vocabulary) when the expansion asks for a candidate past the usable ones. Usable are the
+    candidates strictly more likely than the ``k``-th: those are the same whatever ``k`` (ties at
+    the cut could be any of the tied tokens), so a tree never depends on how far a row was read.
+
+    ``values[i]`` and ``ids[i]`` are Python lists, grown in place, so references stay valid.
+    """
+
+    def __init__(self, draft_logits: Any, max_rank: int | None = None) -> None:
+        self.max_rank = max_rank  # candidates beyond this rank are never needed (the chain: 1)
+        if isinstance(draft_logits, TopK):
+            self._source, self.depth, self.vocab = None, draft_logits.depth, draft_logits.k
+            k = draft_logits.k if max_rank is None else min(max_rank, draft_logits.k)
+            self.values = draft_logits.log_probs[:, :k].tolist()
+            self.ids = draft_logits.token_ids[:, :k].tolist()
+            self._k = [self.vocab] * self.depth  # nothing more to read
+            return
+        self._torch = _is_torch_tensor(draft_logits)
+        if self._torch:
+            shape = tuple(draft_logits.shape)
+        else:
+            draft_logits = np.asarray(draft_logits)
+            shape = draft_logits.shape
+            if not np.issubdtype(draft_logits.dtype, np.floating):
+                raise InvalidInputError(
+                    f"draft logits must be floating point, got dtype {draft_logits.dtype}"
+                )
+        if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+            raise InvalidInputError(
+                f"draft logits must have shape [L, V] with L, V >= 1; got {shape}"
+            )
+        self._source = draft_logits
+        self.depth, self.vocab = int(shape[0]), int(shape[1])
+        self.values = [[] for _ in range(self.depth)]
+        self.ids = [[] for _ in range(self.depth)]
+        self._k = [0] * self.depth
+        self._lse = [0.0] * self.depth
+
+    def row(self, i: int) -> list[float]:
+        """The usable log-probabilities of position ``i + 1`` (read on first use)."""
+        if self._k[i] == 0:
+            self._read(i, FIRST_K if self.max_rank is None else self.max_rank + 1)
+            if not self.values[i]:
+                self.widen(i)  # every candidate read so far ties with the k-th: read on
+        return self.values[i]
+
+    def widen(self, i: int) -> bool:
+        """Read more candidates of position ``i + 1``; ``False`` when there are no more."""
+        if self.max_rank is not None and len(self.values[i]) >= self.max_rank:
+            return False
+        before = len(self.values[i])
+        while self._k[i] < self.vocab:
+            self._read(i, 4 * self._k[i])
+            if len(self.values[i]) > before:
+                return True
+        return False
+
+    def _read(self, i: int, k: int) -> None:
+        k = min(k, self.vocab)
+        first = self._k[i] == 0
+        if self._torch:
+            import torch
+
+            with torch.no_grad():
+                row = self._source[i]
+                if row.dtype != torch.float64:
+                    row = row.float()  # half-precision logits are normalised in float32
+                if first:
+                    self._lse[i] = float(torch.logsumexp(row, 0))
+                vals, idx = torch.topk(row, k)
+            vals, idx = vals.double().cpu().numpy(), idx.cpu().numpy()
+        else:
+            row = self._source[i].astype(np.float64, copy=False)
+            if first:
+                m = row.max()
+                self._lse[i] = float(m + np.log(np.exp(row - m).sum())) if np.isfinite(m) else m
+            idx = np.argpartition(-row, k - 1)[:k] if k < self.vocab else np.arange(self.vocab)
+            vals = row[idx]
+        if first and not math.isfinite(self._lse[i]) or np.isnan(vals).any():
+            raise InvalidInputError(
+                "draft logits contain NaN or infinity (or a row with no finite logit)"
+            )
+        order = np.lexsort((idx, -vals))  # by value, then by token id
+        vals, idx = vals[order], idx[order]
+        usable = k if k >= self.vocab else int(np.count_nonzero(vals > vals[-1]))
+        if self.max_rank is not None:
+            usable = min(usable, self.max_rank)
+        have = len(self.values[i])
+        self._k[i] = k
+        self.values[i].extend((vals[have:usable] - self._lse[i]).tolist())
+        self.ids[i].extend(idx[have:usable].tolist())
+
+    def token_ids(self, depths: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Token id of the ``ranks[j]``-th candidate at depth ``depths[j]``."""
+        ids = self.ids
+        return np.array([ids[d - 1][r] for d, r in zip(depths.tolist(), ranks.tolist())], np.int64)
+
+
+# --------------------------------------------------------------------------------------------------
 # The tree
 # --------------------------------------------------------------------------------------------------
 
@@ -311,7 +424,9 @@ class DraftTree:
 # --------------------------------------------------------------------------------------------------
 
 
-def _expand(topk: TopK, max_nodes: int, denominators: Sequence[float] | None = None) -> DraftTree:
+def _expand(
+    cands: _Candidates, max_nodes: int, denominators: Sequence[float] | None = None
+) -> DraftTree:
     """Best-first expansion over prefixes in non-increasing prefix probability.
 
     Pops at most ``max_nodes`` prefixes. With ``denominators`` (``draft_cost + verify_cost(n)`` for
@@ -321,16 +436,14 @@ def _expand(topk: TopK, max_nodes: int, denominators: Sequence[float] | None = N
     A heap entry is ``(-score, parent_score, parent, depth, rank)``: the prefix made of the parent
     node's path plus the ``rank``-th candidate at position ``depth``. Accepting it replaces it by
     its next sibling (``rank + 1``) and pushes its first child (rank 0 at ``depth + 1``), so the
-    heap only ever holds the frontier of the best-first order.
+    heap only ever holds the frontier of the best-first order. Positions are read from ``cands``
+    only when the expansion reaches them, and only as far as it goes.
     """
     if max_nodes <= 0:
         return DraftTree.empty()
-    L, K = topk.depth, topk.k
-    lp_array = topk.log_probs
-    # Python floats index much faster than numpy scalars in this loop. Rows are converted lazily,
-    # in growing chunks, because a round rarely looks past the first few candidates of a position.
-    chunk = min(K, 8)
-    rows = lp_array[:, :chunk].tolist()
+    L = cands.depth
+    rows = [None] * L  # Python lists of log-probabilities, read when a depth is first reached
+    rows[0] = cands.row(0)
     popped: list[tuple[float, float, int, int, int]] = []
     record = popped.append
     heap: list[tuple[float, float, int, int, int]] = [(-rows[0][0], 0.0, -1, 1, 0)]
@@ -352,24 +465,23 @@ def _expand(topk: TopK, max_nodes: int, denominators: Sequence[float] | None = N
         record(item)
         _, pscore, parent, depth, rank = item
         sibling = rank + 1
-        if sibling < K:
-            row = rows[depth - 1]
-            try:
-                sib_score = pscore + row[sibling]
-            except IndexError:
-                row.extend(lp_array[depth - 1, sibling : 2 * sibling].tolist())
-                sib_score = pscore + row[sibling]
-            heapreplace(heap, (-sib_score, pscore, parent, depth, sibling))
+        row = rows[depth - 1]
+        if sibling < len(row) or (cands.widen(depth - 1) and sibling < len(row)):
+            heapreplace(heap, (-(pscore + row[sibling]), pscore, parent, depth, sibling))
         else:
             heappop(heap)
         if depth < L:
-            heappush(heap, (-(score + rows[depth][0]), score, n, depth + 1, 0))
+            child_row = rows[depth]
+            if child_row is None:
+                child_row = rows[depth] = cands.row(depth)
+            if child_row:
+                heappush(heap, (-(score + child_row[0]), score, n, depth + 1, 0))
         n += 1
     if not popped:
         return DraftTree.empty()
     cols = np.fromiter(popped, dtype=_HEAP_ENTRY, count=len(popped))
     depths, ranks = cols["depth"], cols["rank"]
-    return DraftTree(topk.token_ids[depths - 1, ranks], cols["parent"], depths, -cols["neg"], ranks)
+    return DraftTree(cands.token_ids(depths, ranks), cols["parent"], depths, -cols["neg"], ranks)
 
 
 _HEAP_ENTRY = np.dtype(
@@ -391,16 +503,13 @@ def build_ddtree(draft_logits: Any, budget: int) -> DraftTree:
     :class:`TopK` with few candidates), the tree holds all of them.
     """
     budget = _check_budget("budget", budget)
-    topk = topk_log_probs(draft_logits, max(budget, 1))
-    return _expand(topk, budget)
+    return _expand(_Candidates(draft_logits), budget)
 
 
 def build_chain(draft_logits: Any) -> DraftTree:
     """The DFlash chain: the top-1 token at each of the ``L`` positions."""
-    topk = topk_log_probs(draft_logits, 1)
-    if topk.k > 1:
-        topk = TopK(topk.log_probs[:, :1], topk.token_ids[:, :1])
-    return _expand(topk, topk.depth)
+    cands = _Candidates(draft_logits, max_rank=1)
+    return _expand(cands, cands.depth)
 
 
 def build_caddtree(
@@ -421,9 +530,8 @@ def build_caddtree(
     """
     max_budget = _check_budget("max_budget", max_budget)
     context_length = _check_budget("context_length", context_length)
-    topk = topk_log_probs(draft_logits, max(max_budget, 1))
     denominators = cost_model.round_cost_table(context_length, max_budget)
-    return _expand(topk, max_budget, denominators.tolist())
+    return _expand(_Candidates(draft_logits), max_budget, denominators.tolist())
 
 
 def surrogate_throughput(
