@@ -421,6 +421,9 @@ def test_build_training_prompts_dedups_filters_and_is_seeded():
     assert len(orders) > 1
     limited = data.build_training_prompts(2, 1, sources=sources, benchmark_index=index)
     assert limited.prompts == result.prompts[:2]
+    # the counts per source describe the prompts kept after the limit
+    in_a = sum(p in ("one", "two") for p in limited.prompts)
+    assert limited.sources == {"a": in_a, "b": 2 - in_a}
     with pytest.raises(InvalidInputError, match="limit"):
         data.build_training_prompts(0, sources=sources, benchmark_index=index)
 

@@ -652,8 +652,9 @@ def stdlib_code_prompts() -> list[str]:
 class TrainingPromptSet:
     """Training prompts and what was dropped on the way.
 
-    ``sources``: prompts kept per source; ``duplicates``: prompts dropped as duplicates (equal
-    normalised text); ``overlap``: prompts dropped because they overlap a benchmark prompt."""
+    ``sources``: prompts kept per source (after the ``limit``); ``duplicates``: prompts dropped as
+    duplicates (equal normalised text); ``overlap``: prompts dropped because they overlap a
+    benchmark prompt."""
 
     prompts: list[str | list[dict[str, str]]]
     sources: dict[str, int] = field(default_factory=dict)
@@ -690,9 +691,9 @@ def build_training_prompts(
 
     seen: set[str] = set()
     kept: list[str] = []
+    origin: list[str] = []  # the source of each kept prompt
     result = TrainingPromptSet(kept)
     for source_name, read in sources.items():
-        count = 0
         for prompt in read():
             # a prompt is a string or a list of chat messages (checked turn by turn)
             texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
@@ -705,11 +706,14 @@ def build_training_prompts(
                 result.overlap += 1
                 continue
             kept.append(prompt)
-            count += 1
-        result.sources[source_name] = count
-    random.Random(seed).shuffle(kept)
-    if limit is not None:
-        del kept[limit:]
+            origin.append(source_name)
+    # shuffling the positions shuffles the prompts exactly as shuffling them in place would
+    order = list(range(len(kept)))
+    random.Random(seed).shuffle(order)
+    order = order if limit is None else order[:limit]
+    kept[:] = [kept[i] for i in order]
+    for source_name in sources:
+        result.sources[source_name] = sum(1 for i in order if origin[i] == source_name)
     return result
 
 
