@@ -115,7 +115,13 @@ def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path)
     assert not any("embed" in k or "lm_head" in k for k in keys) and "fc.weight" in keys
 
     drafter = DFlashDraftModel.from_pretrained(ckpt, dtype=torch.float64).eval()
-    prompt = data.sequences[0][: data.prompt_lengths[0]].tolist()
+    dd = assert_ddtree_equals_ar(target, drafter, data, 0)
+    assert dd.stats.tau > 1.0  # the trained drafter gets drafts accepted
+
+
+def assert_ddtree_equals_ar(target, drafter, data, sample: int):
+    """Decode a sample's prompt with DDTree-8 and the trained drafter; it must reproduce AR."""
+    prompt = data.sequences[sample][: data.prompt_lengths[sample]].tolist()
     verifier = TreeVerifier(target, drafter.target_layer_ids)
     ar = decode(verifier, prompt, make_policy("ar"), max_new_tokens=20)
     dd = decode(
@@ -126,7 +132,7 @@ def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path)
         max_new_tokens=20,
     )
     assert dd.token_ids == ar.token_ids
-    assert dd.stats.tau > 1.0  # the trained drafter gets drafts accepted
+    return dd
 
 
 def test_resume_is_identical_to_an_uninterrupted_run(target, data, tmp_path):
@@ -272,17 +278,7 @@ def test_training_with_a_draft_vocabulary_and_bfloat16(target, data, tmp_path):
     assert covered >= 0.9 and 1 in ids and len(ids) < VOCAB
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert sum(e["loss"] for e in log[-10:]) < 0.9 * sum(e["loss"] for e in log[:10])
-    prompt = data.sequences[1][: data.prompt_lengths[1]].tolist()
-    verifier = TreeVerifier(target, drafter.target_layer_ids)
-    ar = decode(verifier, prompt, make_policy("ar"), max_new_tokens=20)
-    dd = decode(
-        verifier,
-        prompt,
-        make_policy("ddtree", budget=8),
-        proposer=DFlashProposer(drafter, target),
-        max_new_tokens=20,
-    )
-    assert dd.token_ids == ar.token_ids
+    assert_ddtree_equals_ar(target, drafter, data, 1)
 
 
 def test_memorised_samples_decode_in_whole_blocks(target, data, tmp_path):
