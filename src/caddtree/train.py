@@ -439,8 +439,8 @@ class _Trainer:
         self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
         if ids is not None:
             vocab = int(target.config.get_text_config().vocab_size)
-            self.label_map = torch.full((vocab,), -100, dtype=torch.long)
-            self.label_map[ids.cpu()] = torch.arange(ids.numel())
+            self.label_map = torch.full((vocab,), -100, dtype=torch.long, device=device)
+            self.label_map[ids.to(device)] = torch.arange(ids.numel(), device=device)
         self.features, self.data = features, data
         B = config.block_size
         self.position_weights = torch.exp(
@@ -473,7 +473,7 @@ class _Trainer:
         labels = batch["labels"].to(dev)  # [b, M, B-1], target ids
         in_range = labels >= 0
         if self.label_map is not None:
-            labels = torch.where(in_range, self.label_map.to(dev)[labels.clamp(min=0)], labels)
+            labels = torch.where(in_range, self.label_map[labels.clamp(min=0)], labels)
         valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
         amp = cfg.precision == "bfloat16"
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
