@@ -160,6 +160,20 @@ def test_bench_records_are_complete_and_lossless(bench_run):
     assert meta["max_new_tokens"] == 10 and "float64" in meta["dtype"]
 
 
+def test_bench_alternates_the_order_of_methods(bench_run):
+    records = read_records(bench_run)
+    # records are written in the order the methods ran: as listed on the first prompt, reversed
+    # on the second (whose records wait for AR, which ran last, to say whether they match it)
+    first = [r["method"] for r in records if r["prompt_index"] == 0]
+    second = [r["method"] for r in records if r["prompt_index"] == 1]
+    assert first[0] == "ar" and second == first[::-1]
+    assert all(r["matches_ar"] for r in records if r["method"] != "ar")
+    for r in records:  # the parts of a round are timed, and the parts sit inside the totals
+        assert 0 <= r["project_s"] <= r["draft_s"] and 0 <= r["forward_s"] <= r["verify_s"]
+        assert r["draft_s"] + r["tree_s"] + r["verify_s"] <= r["wall_s"] - r["prefill_s"]
+    assert any(r["project_s"] > 0 for r in records if r["family"] != "ar")
+
+
 def test_bench_saves_draft_trees_for_the_report(bench_run):
     trees = [json.loads(x) for x in trees_path(bench_run).read_text().splitlines()]
     assert 1 <= len(trees) <= 2

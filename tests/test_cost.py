@@ -331,3 +331,58 @@ def test_published_torch_file_with_missing_keys(tmp_path):
     torch.save({"type": "convex", "draft_cost": 0.1}, path)
     with pytest.raises(CostModelError, match="fitted_curves"):
         load_cost_model(path)
+
+
+def test_negative_verification_costs_are_refused_at_load(tmp_path):
+    # convex and non-decreasing, but below zero: every tree would look free of charge... or worse
+    curve = {"context_length": 0, "node_counts": [0, 8, 16], "verify_cost": [-0.03, -0.02, -0.01]}
+    data = {"format": "caddtree.cost_model", "version": 1, "type": "convex", "draft_cost": 0.01}
+    path = tmp_path / "negative.json"
+    path.write_text(json.dumps({**data, "curves": [curve]}))
+    with pytest.raises(CostModelError, match="negative verification cost"):
+        load_cost_model(path)
+    with pytest.raises(CostModelError, match="negative verification cost"):
+        PiecewiseLinearCurve([0, 1], [0.01, -0.01])
+
+
+class _UserCostModel(caddtree.CostModel):
+    """A user's own cost model, written without the library's validation."""
+
+    def __init__(self, draft_cost, verify):
+        self.draft_cost = draft_cost
+        self._verify = verify
+
+    def verify_cost_table(self, context_length, max_n):
+        return np.full(max_n + 1, self._verify, dtype=np.float64)
+
+    def scaled(self, draft=1.0, verify=1.0):
+        return _UserCostModel(self.draft_cost * draft, self._verify * verify)
+
+    def to_dict(self):
+        return {}
+
+
+@pytest.mark.parametrize(
+    "draft_cost, verify, message",
+    [
+        (0.0, 0.0, "C_d must be a positive"),  # a zero round cost: used to be ZeroDivisionError
+        (0.0, 0.01, "C_d must be a positive"),
+        (-0.01, 0.05, "C_d must be a positive"),
+        (float("nan"), 0.05, "C_d must be a positive"),
+        (0.01, -0.02, "C_v >= 0"),  # used to make every tree empty, silently
+        (0.01, float("inf"), "C_v >= 0"),
+    ],
+)
+def test_bad_costs_are_refused_where_trees_are_built(draft_cost, verify, message):
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
+    model = _UserCostModel(draft_cost, verify)
+    with pytest.raises(CostModelError, match=message):
+        build_caddtree(logits, model, context_length=10, max_budget=32)
+    with pytest.raises(CostModelError, match=message):
+        caddtree.tree.surrogate_throughput(logits, model, 10, 32)
+
+
+def test_a_valid_user_cost_model_builds_trees():
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
+    tree = build_caddtree(logits, _UserCostModel(0.01, 0.02), context_length=10, max_budget=32)
+    assert len(tree) == 32  # a flat verification cost: every extra node is free, up to the cap

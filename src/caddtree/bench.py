@@ -1,8 +1,11 @@
 """The benchmark harness: AR, DFlash, DDTree (a budget grid) and CaDDTree on benchmark prompts.
 
 One *work item* is a (temperature, dataset, prompt) triple. Every method runs on it back to back,
-so machine noise hits all methods alike, and AR first when it is in the list, so each record can
-say whether its output is identical to AR's. Results are JSON lines, one record per
+so machine noise hits all methods alike, in the listed order on even items and in reverse on odd
+ones, so that no method always runs first (or straight after another); every method is warmed up
+on a short untimed run before anything is timed. A record is written once the item's AR run is
+done, so each record can say whether its output is identical to AR's. Rounds are timed by phase
+with the device synchronised (:class:`caddtree.decoding.RoundStats`). Results are JSON lines, one record per
 (dataset, prompt, method, temperature), written and flushed as they are made; see
 ``docs/benchmarking.md`` for the record schema. Next to ``results.jsonl`` the harness writes
 ``results.meta.json`` (the settings and the machine) and ``results.trees.jsonl`` (two CaDDTree
@@ -515,6 +518,8 @@ def _record(
         "draft_s": sum(r.draft_s for r in rounds),
         "tree_s": sum(r.tree_s for r in rounds),
         "verify_s": sum(r.verify_s for r in rounds),
+        "project_s": sum(r.project_s for r in rounds),
+        "forward_s": sum(r.forward_s for r in rounds),
         "output_sha": _digest(out.token_ids),
         "matches_ar": None,
         "stop_reason": out.stop_reason,
@@ -662,8 +667,8 @@ def run_bench(
     mine = left[info.rank :: info.world]
     todo = [
         (it, spec)
-        for it in mine
-        for spec in config.methods
+        for j, it in enumerate(mine)
+        for spec in _method_order(config.methods, j)
         if (it[1], it[2], spec.label, float(it[0])) not in done
     ]
     part = _rank_path(out, info.rank) if info.distributed else out
@@ -689,6 +694,10 @@ def run_bench(
             unit="run",
             disable=not progress,
         )
+        # AR of a work item may run after other methods (the order alternates): their records
+        # wait for it, to say whether their output is AR's, and are written when it is known
+        ar_todo = {(it[1], it[2], float(it[0])) for it, spec in todo if spec.label == "ar"}
+        waiting: list[dict[str, Any]] = []
         with open(part, "a", encoding="utf-8") as fh:
             for (t, dataset, i, item), spec in todo:
                 bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
@@ -698,22 +707,50 @@ def run_bench(
                     g, item, spec, costs[spec.label], t, config, dataset, i, keep_trees=keep
                 )
                 rec = _record(dataset, i, item, spec, t, outcome, _dtype_name(g))
-                # against plain decoding in the run's dtype, for AR in other dtypes too
-                ar = done.get((dataset, i, "ar", float(t)))
-                if ar is not None and t == 0 and spec.label != "ar":
-                    rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
                 if keep:  # before the record: once the record is there, the run is done
                     with open(tree_part, "a", encoding="utf-8") as tf:
                         for tr in _tree_records(gen, dataset, i, spec, t, outcome):
                             tf.write(json.dumps(tr) + "\n")
                 done[record_key(rec)] = rec
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
+                waiting.append(rec)
+                if spec.label == "ar":
+                    ar_todo.discard((dataset, i, float(t)))
+                waiting = _write_settled(fh, waiting, done, ar_todo)
                 bar.update(1)
+            _write_settled(fh, waiting, done, set())
         bar.close()
     if not info.distributed:
         return list(done.values())
     return _gather(out, info, list(done.values()))
+
+
+def _method_order(methods: Sequence[MethodSpec], item: int) -> list[MethodSpec]:
+    """The order the methods run in on the ``item``-th work item: as listed on even items,
+    reversed on odd ones, so that no method always runs first (or last) after another."""
+    return list(methods) if item % 2 == 0 else list(reversed(methods))
+
+
+def _write_settled(
+    fh: Any,
+    waiting: list[dict[str, Any]],
+    done: dict[tuple, dict[str, Any]],
+    ar_todo: set[tuple[str, int, float]],
+) -> list[dict[str, Any]]:
+    """Write (and flush) the records of ``waiting`` whose work item has no AR run to come (the
+    keys of ``ar_todo``), with ``matches_ar`` against plain decoding in the run's dtype (for AR
+    in other dtypes too; greedy only). Returns the records still waiting."""
+    left = []
+    for rec in waiting:
+        key = (rec["dataset"], rec["prompt_index"], rec["temperature"])
+        if key in ar_todo:
+            left.append(rec)
+            continue
+        ar = done.get((*key[:2], "ar", key[2]))
+        if ar is not None and rec["temperature"] == 0 and rec["method"] != "ar":
+            rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
+        fh.write(json.dumps(rec) + "\n")
+    fh.flush()
+    return left
 
 
 def _generators(

@@ -90,6 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
         resolve_dtype,
     )
     from .decoding import Sampler
+    from .streaming import IncrementalDecoder
 
     if args.target is not None and args.method != "ar" and args.draft is None:
         raise InvalidInputError(f"--method {args.method} needs --draft (a DFlash checkpoint)")
@@ -138,9 +139,12 @@ def _generate(args: argparse.Namespace) -> int:
                     )
                 )
 
+    streaming = not args.json and not args.no_stream and gen.tokenizer is not None
+    text_stream = IncrementalDecoder(gen.tokenizer) if streaming else None
+
     def stream(_stats, tokens):
-        if not args.json and not args.no_stream and gen.tokenizer is not None:
-            print(gen.tokenizer.decode(tokens, skip_special_tokens=True), end="", flush=True)
+        if text_stream is not None:
+            print(text_stream.push(tokens), end="", flush=True)
 
     common = {
         "temperature": args.temperature,
@@ -214,7 +218,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.no_stream:
         print(result.text)
     else:
-        print()
+        print(text_stream.flush() if text_stream is not None else "")
     rows = [(result, gen.verifier.dtype, "")]
     for i, (dtype, run) in enumerate(ar_runs):
         note = "  <- baseline (fastest AR)" if len(ar_runs) > 1 and i == fastest else ""

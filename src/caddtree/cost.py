@@ -77,6 +77,11 @@ class PiecewiseLinearCurve:
             )
         if not (np.isfinite(x).all() and np.isfinite(y).all()):
             raise CostModelError("a cost curve contains NaN or infinite values")
+        if (y < 0).any():
+            raise CostModelError(
+                f"a cost curve has a negative verification cost ({y.min():g} s); costs are "
+                "durations: re-profile, or fix the file"
+            )
         if x.size > 1 and (np.diff(x) <= 0).any():
             raise CostModelError("a cost curve's node counts must be strictly increasing")
         self.node_counts = x
@@ -296,8 +301,28 @@ class CostModel(ABC):
         return float(out) if out.ndim == 0 else out
 
     def round_cost_table(self, context_length: int, max_n: int) -> np.ndarray:
-        """``C_d + C_v(n; l)`` for ``n = 0 .. max_n``: the denominator of ``theta*(n)``."""
-        return self.draft_cost + self.verify_cost_table(context_length, max_n)
+        """``C_d + C_v(n; l)`` for ``n = 0 .. max_n``: the denominator of ``theta*(n)``.
+
+        Checked here, where every policy reads costs, so that a subclass (or a model edited after
+        loading) with a zero, negative or non-finite cost fails with a :class:`CostModelError`
+        instead of dividing by zero or silently building empty trees.
+        """
+        try:
+            draft = float(self.draft_cost)
+        except (TypeError, ValueError):
+            draft = math.nan
+        if not (math.isfinite(draft) and draft > 0):
+            raise CostModelError(
+                f"{type(self).__name__}.draft_cost is {self.draft_cost!r}; C_d must be a positive, "
+                "finite number of seconds"
+            )
+        verify = np.asarray(self.verify_cost_table(context_length, max_n), dtype=np.float64)
+        if verify.shape != (max_n + 1,) or not np.isfinite(verify).all() or (verify < 0).any():
+            raise CostModelError(
+                f"{type(self).__name__}.verify_cost_table({context_length}, {max_n}) must give "
+                f"{max_n + 1} finite, non-negative costs in seconds (C_v >= 0)"
+            )
+        return draft + verify
 
     @abstractmethod
     def scaled(self, draft: float = 1.0, verify: float = 1.0) -> CostModel:

@@ -25,7 +25,9 @@ they differ only in when the expansion stops:
   restricted to one candidate per position).
 
 This module is pure numpy: no model code. Draft logits may be given as a torch tensor (any device),
-a numpy array, or as precomputed top-K log-probabilities (:class:`TopK`).
+a numpy array, precomputed top-K log-probabilities (:class:`TopK`), or rows computed on demand
+(:class:`DraftRows`, e.g. a drafter that projects a position to the vocabulary only when the
+expansion first reaches it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -45,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
 
 __all__ = [
+    "DraftRows",
     "DraftTree",
     "TopK",
     "build_caddtree",
@@ -158,6 +161,23 @@ def _is_torch_tensor(x: Any) -> bool:
     return mod.startswith("torch") and hasattr(x, "detach")
 
 
+@runtime_checkable
+class DraftRows(Protocol):
+    """Draft logits ``[L, V]`` whose rows are computed on demand.
+
+    The tree builders read position ``i + 1`` through ``row(i)`` (a 1D torch tensor on any device,
+    or a numpy array) the first time the expansion reaches that depth, and at most once per build
+    (they keep what they read). ``rows()`` returns all ``L`` rows at once, ``[L, V]``; the chain,
+    which needs every position, asks for that instead. ``shape`` is ``(L, V)``.
+    """
+
+    shape: tuple[int, int]
+
+    def row(self, i: int) -> Any: ...
+
+    def rows(self) -> Any: ...
+
+
 # --------------------------------------------------------------------------------------------------
 # Candidates per position, read lazily
 # --------------------------------------------------------------------------------------------------
@@ -179,20 +199,24 @@ class _Candidates:
     the cut could be any of the tied tokens), so a tree never depends on how far a row was read.
 
     ``values[i]`` and ``ids[i]`` are Python lists, grown in place, so references stay valid.
+    ``draft_logits`` may be :class:`DraftRows`: a row is then computed only when it is first read.
     """
 
     def __init__(self, draft_logits: Any, max_rank: int | None = None) -> None:
         self.max_rank = max_rank  # candidates beyond this rank are never needed (the chain: 1)
         if isinstance(draft_logits, TopK):
-            self._source, self.depth, self.vocab = None, draft_logits.depth, draft_logits.k
+            self._row, self.depth, self.vocab = None, draft_logits.depth, draft_logits.k
             k = draft_logits.k if max_rank is None else min(max_rank, draft_logits.k)
             self.values = draft_logits.log_probs[:, :k].tolist()
             self.ids = draft_logits.token_ids[:, :k].tolist()
             self._k = [self.vocab] * self.depth  # nothing more to read
             return
-        self._torch = _is_torch_tensor(draft_logits)
-        if self._torch:
+        if _is_torch_tensor(draft_logits):
             shape = tuple(draft_logits.shape)
+        elif isinstance(draft_logits, DraftRows):
+            shape = tuple(draft_logits.shape)
+            if max_rank == 1:  # the chain reads every position: all rows in one go
+                draft_logits = draft_logits.rows()
         else:
             draft_logits = np.asarray(draft_logits)
             shape = draft_logits.shape
@@ -204,7 +228,8 @@ class _Candidates:
             raise InvalidInputError(
                 f"draft logits must have shape [L, V] with L, V >= 1; got {shape}"
             )
-        self._source = draft_logits
+        # position i + 1's logits (torch or numpy), computed on demand for DraftRows
+        self._row = getattr(draft_logits, "row", None) or draft_logits.__getitem__
         self.depth, self.vocab = int(shape[0]), int(shape[1])
         self.values = [[] for _ in range(self.depth)]
         self.ids = [[] for _ in range(self.depth)]
@@ -233,11 +258,11 @@ class _Candidates:
     def _read(self, i: int, k: int) -> None:
         k = min(k, self.vocab)
         first = self._k[i] == 0
-        if self._torch:
+        row = self._row(i)
+        if _is_torch_tensor(row):
             import torch
 
             with torch.no_grad():
-                row = self._source[i]
                 if row.dtype != torch.float64:
                     row = row.float()  # half-precision logits are normalised in float32
                 if first:
@@ -245,7 +270,7 @@ class _Candidates:
                 vals, idx = torch.topk(row, k)
             vals, idx = vals.double().cpu().numpy(), idx.cpu().numpy()
         else:
-            row = self._source[i].astype(np.float64, copy=False)
+            row = np.asarray(row).astype(np.float64, copy=False)
             if first:
                 m = row.max()
                 self._lse[i] = float(m + np.log(np.exp(row - m).sum())) if np.isfinite(m) else m
@@ -436,8 +461,14 @@ def _expand(
     A heap entry is ``(-score, parent_score, parent, depth, rank)``: the prefix made of the parent
     node's path plus the ``rank``-th candidate at position ``depth``. Accepting it replaces it by
     its next sibling (``rank + 1``) and pushes its first child (rank 0 at ``depth + 1``), so the
-    heap only ever holds the frontier of the best-first order. Positions are read from ``cands``
-    only when the expansion reaches them, and only as far as it goes.
+    heap only ever holds the frontier of the best-first order.
+
+    Positions are read from ``cands`` only when the expansion reaches them, and only as far as it
+    goes. The first child pushed at a depth not read yet enters with rank ``-1`` and its parent's
+    score, an upper bound on its own (``log q <= 0``); that depth is read only when the bound
+    reaches the top of the heap (and, for the cost-aware rule, only if the bound does not already
+    stop the expansion). An entry's bound never sorts after its true key, so the order in which
+    nodes are accepted, and the tree, are those of reading every depth up front.
     """
     if max_nodes <= 0:
         return DraftTree.empty()
@@ -460,10 +491,20 @@ def _expand(
             theta_new = (1.0 + phi + delta) / denominators[n + 1]
             if theta_new <= theta_prev:  # Eq. stopping: theta*(n+1) <= theta*(n)
                 break
+        _, pscore, parent, depth, rank = item
+        if rank < 0:  # a first child at a depth not read yet: read it, re-sort the child
+            row = rows[depth - 1]
+            if row is None:
+                row = rows[depth - 1] = cands.row(depth - 1)
+            if row:
+                heapreplace(heap, (-(pscore + row[0]), pscore, parent, depth, 0))
+            else:
+                heappop(heap)
+            continue
+        if cost_aware:
             phi += delta
             theta_prev = theta_new
         record(item)
-        _, pscore, parent, depth, rank = item
         sibling = rank + 1
         row = rows[depth - 1]
         if sibling < len(row) or (cands.widen(depth - 1) and sibling < len(row)):
@@ -472,9 +513,9 @@ def _expand(
             heappop(heap)
         if depth < L:
             child_row = rows[depth]
-            if child_row is None:
-                child_row = rows[depth] = cands.row(depth)
-            if child_row:
+            if child_row is None:  # depth + 1 not read yet: an upper bound for now (see above)
+                heappush(heap, (-score, score, n, depth + 1, -1))
+            elif child_row:
                 heappush(heap, (-(score + child_row[0]), score, n, depth + 1, 0))
         n += 1
     if not popped:

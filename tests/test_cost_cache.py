@@ -1,0 +1,92 @@
+"""The cached cost model: one profiling per cache entry, and noisy fits re-measured once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from caddtree import ConvexCostModel, load_cost_model
+from caddtree.api import SpeculativeGenerator
+
+
+def fitted(noise: float, seed: int) -> ConvexCostModel:
+    """A cost model fitted to linear timings with ``noise`` (relative) added: R2 falls with it."""
+    rng = np.random.default_rng(seed)
+    nodes = [1, 2, 4, 8, 16, 32, 64]
+    measurements = {}
+    for length in (16, 64):
+        clean = 0.01 + 0.001 * np.asarray(nodes, dtype=float)
+        measurements[length] = (
+            nodes,
+            list(clean * np.exp(noise * rng.standard_normal(len(nodes)))),
+        )
+    return ConvexCostModel.fit(measurements, draft_cost=0.002)
+
+
+@pytest.fixture
+def generator(tiny_pair_dirs):
+    target, draft = tiny_pair_dirs
+    return SpeculativeGenerator.from_pretrained(target, draft, dtype="float64", device="cpu")
+
+
+def test_two_first_runs_at_once_profile_once(generator, tmp_path, monkeypatch):
+    calls = []
+
+    def slow_profile(**kwargs):
+        calls.append(threading.get_ident())
+        time.sleep(0.5)  # long enough for the other caller to arrive while this one measures
+        return fitted(0.0, 0)
+
+    monkeypatch.setattr(generator, "profile", slow_profile)
+    results = [None, None]
+
+    def first_use(i):
+        results[i] = generator.cached_cost_model(tmp_path)
+
+    threads = [threading.Thread(target=first_use, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1  # the second caller waited and read the first one's result
+    files = list(tmp_path.glob("cost-*.json"))
+    assert len(files) == 1
+    for model in results:
+        assert model.draft_cost == pytest.approx(load_cost_model(files[0]).draft_cost)
+
+
+def test_a_noisy_fit_is_measured_again_and_the_better_one_kept(
+    generator, tmp_path, monkeypatch, capsys
+):
+    noisy, clean = fitted(0.8, 1), fitted(0.0, 2)
+    assert min(q.r2 for q in noisy.fit_quality.values()) < 0.9
+    queue = [noisy, clean]
+    monkeypatch.setattr(generator, "profile", lambda **kwargs: queue.pop(0))
+    model = generator.cached_cost_model(tmp_path)
+    assert queue == []  # measured twice
+    assert min(q.r2 for q in model.fit_quality.values()) > 0.99
+    err = capsys.readouterr().err
+    assert "measuring once more" in err and "stayed noisy" not in err
+    saved = load_cost_model(next(tmp_path.glob("cost-*.json")))
+    assert min(q.r2 for q in saved.fit_quality.values()) > 0.99
+
+
+def test_a_fit_that_stays_noisy_is_kept_with_a_warning(generator, tmp_path, monkeypatch, capsys):
+    first, second = fitted(0.8, 1), fitted(0.9, 3)
+    queue = [first, second]
+    monkeypatch.setattr(generator, "profile", lambda **kwargs: queue.pop(0))
+    model = generator.cached_cost_model(tmp_path)
+    best = max(min(q.r2 for q in m.fit_quality.values()) for m in (first, second))
+    assert min(q.r2 for q in model.fit_quality.values()) == pytest.approx(best)
+    assert "stayed noisy" in capsys.readouterr().err
+
+
+def test_a_clean_fit_is_measured_once(generator, tmp_path, monkeypatch, capsys):
+    queue = [fitted(0.0, 0), fitted(0.0, 1)]
+    monkeypatch.setattr(generator, "profile", lambda **kwargs: queue.pop(0))
+    generator.cached_cost_model(tmp_path)
+    assert len(queue) == 1
+    assert "measuring once more" not in capsys.readouterr().err
