@@ -402,3 +402,20 @@ def test_summary_table_speedups_are_against_the_faster_ar(bench_run):
         "dflash": ["5.00", "5.00", "1.60×"],
         "caddtree": ["**4.00**", "4.00", "2.00×"],
     }
+
+
+@pytest.mark.parametrize("damage", ["{ torn", "[1, 2]", b"\xff\xfe"])
+def test_a_damaged_meta_file_refuses_to_resume(bench_inputs, bench_run, tmp_path, capsys, damage):
+    """The settings check must not turn itself off when the file it reads is damaged."""
+    out = tmp_path / "results.jsonl"
+    out.write_text(bench_run.read_text())
+    meta = out.with_name("results.meta.json")
+    if isinstance(damage, bytes):
+        meta.write_bytes(damage)
+    else:
+        meta.write_text(damage)
+    capsys.readouterr()
+    assert main(_args(bench_inputs, out, *METHODS, "--max-new-tokens", "12")) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read" in err and "--no-resume" in err
+    assert out.read_text() == bench_run.read_text()  # nothing added to the old results

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -111,7 +113,10 @@ def ar_reference(model, prompt, max_new_tokens, stop=None):
     return out[0, len(prompt) :].tolist()
 
 
-def run(model, prompt, method, kwargs, proposer, max_new_tokens, stops=(), sampler=None):
+def run(
+    model, prompt, method, kwargs, proposer, max_new_tokens, stops=(), sampler=None, trees=None
+):
+    """Decode; with a list as ``trees``, append ``(tree, round stats)`` of every round to it."""
     verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
     callback = proposer.observe if isinstance(proposer, OracleProposer) else None
     return decode(
@@ -123,6 +128,7 @@ def run(model, prompt, method, kwargs, proposer, max_new_tokens, stops=(), sampl
         stop_token_ids=stops,
         sampler=sampler,
         callback=callback,
+        tree_callback=None if trees is None else (lambda t, r: trees.append((t, r))),
     )
 
 
@@ -188,10 +194,21 @@ def test_max_new_tokens_boundary(qwen3, max_new_tokens):
     reference = ar_reference(qwen3, prompt, max_new_tokens)
     for method, kwargs in POLICIES:
         proposer = OracleProposer(qwen3, prompt) if method != "ar" else None
-        result = run(qwen3, prompt, method, kwargs, proposer, max_new_tokens)
+        trees = []
+        result = run(qwen3, prompt, method, kwargs, proposer, max_new_tokens, trees=trees)
         assert result.token_ids == reference, (method, kwargs)
-        for r in result.stats.per_round:  # never drafts nodes that could not be committed
-            assert r.budget <= 64
+        # never drafts a node that could not be committed: a round that starts with `produced`
+        # tokens out (the prefill's token included) commits at most max_new_tokens - produced,
+        # so its tree holds nodes at most max_new_tokens - produced - 1 deep
+        produced = 1
+        for tree, r in trees:
+            deepest = int(tree.depths.max()) if len(tree) else 0
+            assert deepest <= max_new_tokens - produced - 1, (method, kwargs, produced)
+            produced += r.committed
+        assert produced == len(reference)
+        if method != "ar" and max_new_tokens >= 7:
+            # the check has teeth: somewhere a tree was cut short by the limit, not by the policy
+            assert any(len(t) for t, _ in trees)
 
 
 def test_acceptance_is_not_cut_short(qwen3):
@@ -300,3 +317,35 @@ def test_decode_errors(qwen3, drafter):
         decode(verifier, [1, 2, 3], make_policy("dflash"), max_new_tokens=4)
     with pytest.raises(InvalidInputError, match="temperature"):
         Sampler(-1.0)
+
+
+def test_rounds_with_an_empty_caddtree_still_record_the_drafters_confidence(qwen3, drafter):
+    """A round where the cost rule keeps no node (n = 0) had a draft: its confidence (position
+    1's largest probability) is recorded, not NaN, so Fig. 1's analysis keeps those rounds."""
+    # the first node costs more than it can ever return, so every tree is empty
+    prohibitive = ConvexCostModel(
+        {0: PiecewiseLinearCurve([0, 1, 64], [0.01, 10.0, 700.0])}, draft_cost=0.01
+    )
+    prompt = PROMPTS[0]
+    result = run(
+        qwen3,
+        prompt,
+        "caddtree",
+        {"cost_model": prohibitive, "max_budget": 16},
+        DFlashProposer(drafter, qwen3),
+        8,
+    )
+    rounds = result.stats.per_round
+    assert rounds and all(r.budget == 0 for r in rounds)
+    assert result.token_ids == ar_reference(qwen3, prompt, 8)
+    # the same drafter, with a tree: node 0's probability is the confidence of the same round
+    first_with_tree = run(
+        qwen3, prompt, "ddtree", {"budget": 4}, DFlashProposer(drafter, qwen3), 8
+    ).stats.per_round[0]
+    assert 0 < rounds[0].confidence <= 1
+    assert rounds[0].confidence == pytest.approx(first_with_tree.confidence, rel=1e-9)
+    produced = 1  # a round drafts only while two or more tokens are still to come
+    for r in rounds:
+        drafted = 8 - produced - 1 > 0
+        assert (0 < r.confidence <= 1) if drafted else math.isnan(r.confidence), produced
+        produced += r.committed

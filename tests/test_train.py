@@ -330,7 +330,7 @@ def test_prepare_data_grows_when_prompts_are_appended(target, tmp_path):
     fewer = prepare_data(target, tok, ["hello"], path, max_new_tokens=5, progress=False)
     assert len(fewer.sequences) == 1 and torch.equal(fewer.sequences[0], first.sequences[0])
     assert len(TrainingData.load(path).sequences) == 3
-    with pytest.raises(ValueError, match="other prompts or settings"):
+    with pytest.raises(ValueError, match="max_new_tokens: saved 5, now 6"):
         prepare_data(target, tok, ["hello", "abc"], path, max_new_tokens=6, progress=False)
 
 
@@ -341,3 +341,44 @@ def test_batched_features_equal_one_sequence_at_a_time(target, data):
         single = compute_features(target, TrainingData([seq], [1]), [0, 2], progress=False)[0]
         assert feats.shape == (len(seq), 2 * 32)
         torch.testing.assert_close(feats, single, rtol=0, atol=1e-10)
+
+
+def test_cached_responses_and_features_belong_to_one_target_and_dtype(target, tmp_path):
+    """Another model that shares the tokenizer, or the same model in another dtype, must not
+    reuse the responses or the context features cached for the first one."""
+    from caddtree.train import _cached_features
+
+    tok = tiny_tokenizer(MASK_TOKEN_ID)
+    path = tmp_path / "data.safetensors"
+    data = prepare_data(target, tok, ["hello", "abc"], path, max_new_tokens=5, progress=False)
+    other = qwen3_target(seed=1)  # same shapes and tokenizer, other weights
+    with pytest.raises(ValueError, match="target: saved"):
+        prepare_data(other, tok, ["hello", "abc"], path, max_new_tokens=5, progress=False)
+    as_float32 = qwen3_target().float()
+    with pytest.raises(ValueError, match="dtype: saved 'float64', now 'float32'"):
+        prepare_data(as_float32, tok, ["hello", "abc"], path, max_new_tokens=5, progress=False)
+
+    feats_path = tmp_path / "features.safetensors"
+    first = _cached_features(target, data, [0, 2], feats_path, progress=False)
+    recomputed = _cached_features(other, data, [0, 2], feats_path, progress=False)
+    expected = compute_features(other, data, [0, 2], progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, expected))
+    assert not all(torch.equal(a, b) for a, b in zip(first, recomputed))
+
+
+def test_a_save_interrupted_between_its_renames_resumes_from_the_previous_checkpoint(
+    target, data, tmp_path
+):
+    cfg = config(steps=6, save_every=3, eval_every=6)
+    train_drafter(target, data, tmp_path, cfg, progress=False, stop_after=3)
+    ckpt = tmp_path / "checkpoint"
+    # the state a crash leaves after the first rename of the next save: only checkpoint.old
+    ckpt.rename(tmp_path / "checkpoint.old")
+    one_more = train_drafter(target, data, tmp_path, cfg, progress=False, stop_after=1)
+    assert one_more["step"] == 4  # resumed after step 3 (a restart would have run step 1)
+    assert not (tmp_path / "checkpoint.old").exists()
+    final = train_drafter(target, data, tmp_path, cfg, progress=False)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert [e["step"] for e in state["log"]] == [1, 2, 3, 4, 5, 6]
+    straight = train_drafter(target, data, tmp_path / "straight", cfg, progress=False)
+    assert straight["loss"] == final["loss"]

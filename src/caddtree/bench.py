@@ -574,8 +574,14 @@ def _check_meta(out: Path, meta: dict[str, Any], resume: bool) -> None:
         return
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        return
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        # the guard against mixing settings must not turn off because its record is damaged
+        raise InvalidInputError(
+            f"{path} cannot be read ({exc}), so the results in {out} cannot be checked against "
+            "this run's settings; restore the file, or pass --no-resume to start over"
+        ) from None
     # an AR-only run has no drafter: adding drafting methods to it later is fine
     diff = [
         k

@@ -332,6 +332,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _confidence(tree: DraftTree, draft_logits: Any) -> float:
+    """The drafter's largest position-1 probability (NaN without a draft). Node 0 of a non-empty
+    tree is that token; a tree the cost rule left empty (CaDDTree's n = 0) still had a draft, so
+    its confidence is read from position 1's logits, not dropped from the analysis."""
+    if draft_logits is None:
+        return math.nan
+    if len(tree):
+        return math.exp(float(tree.log_probs[0]))
+    row = draft_logits.row(0) if hasattr(draft_logits, "row") else draft_logits[0]
+    row = torch.as_tensor(row).detach().double()
+    return math.exp(float(row.max() - torch.logsumexp(row, 0)))
+
+
 def _projected(draft_logits: Any) -> int:
     """Positions of ``draft_logits`` projected to the vocabulary: all of a plain tensor's rows,
     what a lazy one (:class:`~caddtree.models.dflash.DraftLogits`) projected, none without one."""
@@ -423,12 +436,9 @@ def decode(
         )
         if draft_logits is not None and token_map is not None:
             tree = tree.map_tokens(token_map)  # draft vocabulary ids -> target ids
+        confidence = _confidence(tree, draft_logits)
         t2 = time.perf_counter()
         project_s = getattr(draft_logits, "project_s", 0.0)
-        confidence = math.nan
-        if draft_logits is not None:
-            # node 0 of every non-empty tree is position 1's most probable token
-            confidence = math.exp(float(tree.log_probs[0])) if len(tree) else math.nan
         target_logits, _ = verifier.verify(bonus, tree)
         _sync(device)
         t_forward = time.perf_counter()

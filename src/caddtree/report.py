@@ -28,7 +28,6 @@ included). See :func:`confidence_analysis`.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -1447,28 +1446,18 @@ def _figures(
     else:
         notes.append(f"Fig. 6 skipped: no draft-trees file {trees_path.name} next to the results.")
     if cost_model is not None:
+        from .profiling import plot_cost_model
+
         try:
-            profiling = importlib.import_module(".profiling", __package__)
-        except ImportError as exc:  # profiling needs torch
-            profiling = None
-            notes.append(f"Fig. 4 skipped: caddtree.profiling cannot be imported ({exc}).")
-        plot = getattr(profiling, "plot_cost_model", None)
-        if profiling is not None and plot is None:
-            notes.append(
-                "Fig. 4 skipped: this caddtree has no caddtree.profiling.plot_cost_model; "
-                "`caddtree profile` draws it."
+            drawn = Path(plot_cost_model(cost_model, out / "fig4_cost_model.png"))
+        except CaddtreeError as exc:
+            notes.append(f"Fig. 4 skipped: {exc}.")
+        else:
+            add(
+                drawn,
+                "Fig. 4 — verification latency vs draft nodes per context length, with the "
+                "fitted convex cost model.",
             )
-        elif plot is not None:
-            try:
-                drawn = Path(plot(cost_model, out / "fig4_cost_model.png"))
-            except CaddtreeError as exc:
-                notes.append(f"Fig. 4 skipped: {exc}.")
-            else:
-                add(
-                    drawn,
-                    "Fig. 4 — verification latency vs draft nodes per context length, with the "
-                    "fitted convex cost model.",
-                )
     return figures
 
 

@@ -54,6 +54,7 @@ from .models.target import extract_context_features
 
 __all__ = [
     "TrainConfig",
+    "target_fingerprint",
     "TrainingData",
     "build_training_batch",
     "choose_draft_vocab",
@@ -225,6 +226,24 @@ def chat_prompt_ids(tokenizer: Any, prompt: str | Sequence[dict[str, str]]) -> l
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
 
 
+def target_fingerprint(target: Any) -> dict[str, str]:
+    """What identifies the model behind cached responses and features: a digest of its weights
+    (shapes and a sample of values, so another model that shares the tokenizer differs) and its
+    dtype (greedy responses and hidden states change with the dtype)."""
+    from .api import _weights_digest
+
+    dtype = target.get_input_embeddings().weight.dtype
+    return {"target": _weights_digest(target), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
+    """``settings (max_new_tokens: saved 128, now 256; ...)`` for an error message."""
+    parts = [
+        f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in wanted.items() if saved.get(k) != v
+    ]
+    return f"settings ({'; '.join(parts)})"
+
+
 def prepare_data(
     target: Any,
     tokenizer: Any,
@@ -246,7 +265,11 @@ def prepare_data(
     else is an error rather than silent reuse.
     """
     path = Path(path)
-    settings = {"max_new_tokens": max_new_tokens, "stops": sorted(int(t) for t in stop_token_ids)}
+    settings = {
+        "max_new_tokens": max_new_tokens,
+        "stops": sorted(int(t) for t in stop_token_ids),
+        **target_fingerprint(target),
+    }
     prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     done = TrainingData([], [], dict(settings))
     if path.is_file():
@@ -257,9 +280,10 @@ def prepare_data(
             for seq, p, ids in zip(done.sequences, done.prompt_lengths, prompt_ids)
         )
         if saved != settings or not same_prompts:
+            what = "prompts" if saved == settings else _differences(saved, settings)
             raise InvalidInputError(
-                f"{path} holds responses for other prompts or settings ({saved}); delete it or "
-                "use another output directory"
+                f"{path} holds responses for other {what}; delete it or use another output "
+                "directory"
             )
         if len(done.sequences) >= len(prompts):
             n = len(prompts)
@@ -531,14 +555,29 @@ def _save_checkpoint(
                 indent=1,
             )
         )
-        old = directory.with_name(directory.name + ".old")
+        # The previous checkpoint stays whole until the new one is in place: a crash between the
+        # two renames leaves it as ``checkpoint.old``, which the next resume puts back.
+        old = _previous_checkpoint(directory)
         if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
             directory.rename(old)
         tmp.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _previous_checkpoint(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".old")
+
+
+def _recover_checkpoint(directory: Path) -> None:
+    """Put back the previous checkpoint if a save was interrupted between its two renames."""
+    old = _previous_checkpoint(directory)
+    if not directory.exists() and (old / "trainer_state.json").is_file():
+        print(f"an interrupted save left {old}; resuming from it", file=sys.stderr)
+        old.rename(directory)
 
 
 def _load_optimizer_state(directory: Path, optimizer, state: dict) -> None:
@@ -593,6 +632,8 @@ def train_drafter(
     device = torch.device(device)
 
     state = None
+    if resume:
+        _recover_checkpoint(ckpt)
     if resume and (ckpt / "trainer_state.json").is_file():
         state = json.loads((ckpt / "trainer_state.json").read_text())
         drafter = _resumed_drafter(ckpt, state, config)
@@ -809,6 +850,7 @@ def _cached_features(target, data, layer_ids, path: Path, progress: bool) -> lis
             "layers": list(layer_ids),
             "n": len(data.sequences),
             "tokens": int(sum(len(s) for s in data.sequences)),
+            **target_fingerprint(target),
         }
     )
     if path.is_file():
