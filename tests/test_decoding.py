@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from caddtree import ConstantCostModel, ConvexCostModel, InvalidInputError
 from caddtree.cost import PiecewiseLinearCurve
-from caddtree.decoding import Sampler, decode, make_policy
+from caddtree.decoding import Proposer, Sampler, decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
 from tiny_models import (
     FEATURE_LAYER_IDS,
@@ -48,6 +48,13 @@ class OracleProposer:
 
     def reset(self):
         self.history = list(self.prompt)
+
+    @property
+    def context_length(self):
+        return len(self.history) - 1  # the bonus token is not context yet
+
+    def crop(self, context_length):
+        del self.history[context_length + 1 :]
 
     def observe(self, _stats, tokens):
         self.history.extend(tokens)
@@ -349,3 +356,9 @@ def test_rounds_with_an_empty_caddtree_still_record_the_drafters_confidence(qwen
         drafted = 8 - produced - 1 > 0
         assert (0 < r.confidence <= 1) if drafted else math.isnan(r.confidence), produced
         produced += r.committed
+
+
+def test_the_dflash_proposer_and_the_oracle_are_proposers(qwen3, drafter):
+    assert isinstance(DFlashProposer(drafter, qwen3), Proposer)
+    assert isinstance(OracleProposer(qwen3, PROMPTS[0]), Proposer)
+    assert not isinstance(object(), Proposer)

@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -40,7 +40,6 @@ from .tree import DraftTree, build_caddtree, build_chain, build_ddtree
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
-    from .models.dflash import DFlashProposer
     from .models.target import TreeVerifier
 
 __all__ = [
@@ -51,6 +50,7 @@ __all__ = [
     "DecodeResult",
     "GenerationStats",
     "NoTree",
+    "Proposer",
     "RoundStats",
     "Sampler",
     "TreePolicy",
@@ -64,6 +64,31 @@ METHODS = ("ar", "dflash", "ddtree", "caddtree")
 # --------------------------------------------------------------------------------------------------
 # Tree policies
 # --------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the round loop needs from a drafter (the proposer of DESIGN.md's round loop).
+
+    ``propose(bonus, new_context_features)`` returns the draft logits of the block after
+    ``bonus``, ``[B-1, V]`` (a tensor, or :class:`~caddtree.tree.DraftRows` computed on demand);
+    ``new_context_features`` are the target's features of the tokens committed since the last
+    call. ``reset()`` forgets everything (a new prompt); ``crop(length)`` forgets the context past
+    its first ``length`` tokens; ``context_length`` is how many tokens the proposer has seen.
+    :class:`~caddtree.models.dflash.DFlashProposer` is one. Two members are optional, and
+    :func:`decode` uses them when present: ``propose_lazy`` (preferred to ``propose``: rows
+    projected on demand) and ``token_map`` (target id of each draft id, for a drafter with its
+    own draft vocabulary).
+    """
+
+    def propose(self, bonus_token: int, new_context_features: torch.Tensor) -> Any: ...
+
+    def reset(self) -> None: ...
+
+    def crop(self, context_length: int) -> None: ...
+
+    @property
+    def context_length(self) -> int: ...
 
 
 class TreePolicy(Protocol):
@@ -304,6 +329,35 @@ class GenerationStats:
     stop_reason: str  # "stop_token" or "max_new_tokens"
     per_round: list[RoundStats] = field(default_factory=list, repr=False)
 
+    @classmethod
+    def from_rounds(
+        cls,
+        method: str,
+        rounds: list[RoundStats],
+        new_tokens: int,
+        wall_s: float,
+        prefill_s: float,
+        stop_reason: str,
+    ) -> GenerationStats:
+        """The summary of one generation of ``new_tokens`` tokens in ``rounds``."""
+        budgets = np.array([r.budget for r in rounds], dtype=np.float64)
+        return cls(
+            method=method,
+            new_tokens=new_tokens,
+            rounds=len(rounds),
+            tau=float(np.mean([r.committed for r in rounds])) if rounds else 0.0,
+            ms_per_token=1e3 * wall_s / new_tokens,
+            budget_mean=float(budgets.mean()) if rounds else 0.0,
+            budget_std=float(budgets.std()) if rounds else 0.0,
+            wall_s=wall_s,
+            prefill_s=prefill_s,
+            draft_s=sum(r.draft_s for r in rounds),
+            tree_s=sum(r.tree_s for r in rounds),
+            verify_s=sum(r.verify_s for r in rounds),
+            stop_reason=stop_reason,
+            per_round=rounds,
+        )
+
     def to_dict(self, per_round: bool = False) -> dict[str, Any]:
         out = asdict(self)
         if per_round:  # NaN (no draft this round) is not JSON: it becomes None (null)
@@ -332,6 +386,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _checked_prompt(
+    verifier: TreeVerifier,
+    prompt_ids: Sequence[int],
+    policy: TreePolicy,
+    proposer: Proposer | None,
+    max_new_tokens: Any,
+) -> list[int]:
+    """``prompt_ids`` as a list of ints, once the arguments of :func:`decode` are known to fit."""
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, (int, np.integer))
+        or max_new_tokens <= 0
+    ):
+        raise InvalidInputError(
+            f"max_new_tokens must be a positive integer, got {max_new_tokens!r}"
+        )
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InvalidInputError("the prompt is empty; give at least one token")
+    if policy.needs_drafter and proposer is None:
+        raise InvalidInputError(f"method {policy.name!r} needs a drafter")
+    limit = verifier.max_positions
+    if limit is not None and len(prompt) + max_new_tokens > limit:
+        if len(prompt) >= limit:
+            raise InvalidInputError(
+                f"the prompt has {len(prompt)} tokens but the model's context holds {limit}; "
+                "shorten the prompt"
+            )
+        raise InvalidInputError(
+            f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {limit} tokens; lower max_new_tokens to {limit - len(prompt)}"
+        )
+    return prompt
+
+
+def _truncate_at_stop(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], bool]:
+    """``tokens`` cut after the first stop token (kept) and to at most ``room`` tokens; and
+    whether a stop token was hit within them."""
+    for j, tok in enumerate(tokens[:room]):
+        if tok in stops:
+            return tokens[: j + 1], True
+    return tokens[:room], False
+
+
 def _confidence(tree: DraftTree, draft_logits: Any) -> float:
     """The drafter's largest position-1 probability (NaN without a draft). Node 0 of a non-empty
     tree is that token; a tree the cost rule left empty (CaDDTree's n = 0) still had a draft, so
@@ -358,7 +456,7 @@ def decode(
     prompt_ids: Sequence[int],
     policy: TreePolicy,
     *,
-    proposer: DFlashProposer | None = None,
+    proposer: Proposer | None = None,
     max_new_tokens: int = 256,
     sampler: Sampler | None = None,
     stop_token_ids: Iterable[int] = (),
@@ -374,30 +472,7 @@ def decode(
     stops after a token in ``stop_token_ids`` (which is kept in the output) or after
     ``max_new_tokens`` tokens.
     """
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, (int, np.integer))
-        or max_new_tokens <= 0
-    ):
-        raise InvalidInputError(
-            f"max_new_tokens must be a positive integer, got {max_new_tokens!r}"
-        )
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise InvalidInputError("the prompt is empty; give at least one token")
-    if policy.needs_drafter and proposer is None:
-        raise InvalidInputError(f"method {policy.name!r} needs a drafter")
-    limit = verifier.max_positions
-    if limit is not None and len(prompt) + max_new_tokens > limit:
-        if len(prompt) >= limit:
-            raise InvalidInputError(
-                f"the prompt has {len(prompt)} tokens but the model's context holds {limit}; "
-                "shorten the prompt"
-            )
-        raise InvalidInputError(
-            f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {limit} tokens; lower max_new_tokens to {limit - len(prompt)}"
-        )
+    prompt = _checked_prompt(verifier, prompt_ids, policy, proposer, max_new_tokens)
     sampler = sampler or Sampler()
     stops = {int(t) for t in stop_token_ids}
     device = verifier.device
@@ -444,15 +519,10 @@ def decode(
         t_forward = time.perf_counter()
         path, next_bonus = walk_tree(tree, target_logits, sampler)
         new_tokens = [int(tree.token_ids[i - 1]) for i in path[1:]] + [next_bonus]
-        room = max_new_tokens - len(output)
-        for j, tok in enumerate(new_tokens[:room]):
-            if tok in stops:
-                new_tokens = new_tokens[: j + 1]
-                stop_reason = "stop_token"
-                break
-        else:
-            new_tokens = new_tokens[:room]
-        done = stop_reason == "stop_token" or len(output) + len(new_tokens) >= max_new_tokens
+        new_tokens, stopped = _truncate_at_stop(new_tokens, stops, max_new_tokens - len(output))
+        if stopped:
+            stop_reason = "stop_token"
+        done = stopped or len(output) + len(new_tokens) >= max_new_tokens
         if not done:
             features = verifier.commit(path)
         _sync(device)
@@ -484,21 +554,7 @@ def decode(
         bonus = next_bonus
 
     wall_s = time.perf_counter() - t_start
-    budgets = np.array([r.budget for r in rounds], dtype=np.float64)
-    stats = GenerationStats(
-        method=policy.name,
-        new_tokens=len(output),
-        rounds=len(rounds),
-        tau=float(np.mean([r.committed for r in rounds])) if rounds else 0.0,
-        ms_per_token=1e3 * wall_s / len(output),
-        budget_mean=float(budgets.mean()) if rounds else 0.0,
-        budget_std=float(budgets.std()) if rounds else 0.0,
-        wall_s=wall_s,
-        prefill_s=prefill_s,
-        draft_s=sum(r.draft_s for r in rounds),
-        tree_s=sum(r.tree_s for r in rounds),
-        verify_s=sum(r.verify_s for r in rounds),
-        stop_reason=stop_reason,
-        per_round=rounds,
+    stats = GenerationStats.from_rounds(
+        policy.name, rounds, len(output), wall_s, prefill_s, stop_reason
     )
     return DecodeResult(output, stats)
