@@ -360,3 +360,120 @@ def test_compare_ar_warms_up_every_run_before_timing(capsys, tiny_pair_dirs, mon
 )
 def test_compare_ar_dtype_errors(capsys, tiny_pair_dirs, extra, message):
     assert message in failing_generate(capsys, tiny_pair_dirs, *extra, "hi")
+
+
+# ---- issue 14: bad input gets a clear answer, and cheap checks come before any model load ----------
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "ddtree", "--budget", "0"], "--budget must be a positive integer, got 0"),
+        (["--method", "ddtree", "--budget", "1000000"], "above the limit of 4096 nodes"),
+        (["--max-budget", "100000"], "--max-budget 100000 is above the limit of 4096"),
+        (["--method", "ar", "--temperature", "1e-320"], "use 0 for greedy decoding"),
+        (["--method", "ar", "--seed", "-1"], "seed must be an integer"),
+        (["--cost-model", "/no/such/cost.json"], "cost-model file not found"),
+    ],
+)
+def test_cheap_checks_come_before_loading_any_model(capsys, tmp_path, extra, message):
+    """The target does not exist: each argument error must be found before anyone looks."""
+    missing = str(tmp_path / "no-such-target")
+    argv = ["generate", "--target", missing, "--draft", missing, *extra, "hi"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "no such directory" not in err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_before_loading(capsys, tmp_path):
+    prompt = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")  # how Python keeps such an argv
+    missing = str(tmp_path / "no-such-target")
+    assert main(["generate", "--target", missing, "--method", "ar", prompt]) == 2
+    err = capsys.readouterr().err
+    assert "not valid UTF-8 text (byte 0xe9 at character 3)" in err and "Traceback" not in err
+
+
+def test_a_missing_local_model_is_no_such_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    assert main(["generate", "--target", "models/missing", "--method", "ar", "hi"]) == 2
+    assert "cannot load the target model 'models/missing': no such directory" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--block-size", "0"], "--block-size must be between 2 and 64"),
+        (["--block-size", "100000"], "--block-size must be between 2 and 64"),
+        (["--vocab", "0"], "--vocab must be between 60"),
+        (["--vocab", "10000000"], "--vocab must be between 60"),
+        (["--rounds", "-1"], "--rounds and --seed must be non-negative"),
+        (["--seed", "-3"], "--rounds and --seed must be non-negative"),
+    ],
+)
+def test_tree_demo_refuses_impossible_sizes(capsys, extra, message):
+    assert main(["tree-demo", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_tree_demo_runs_on_the_smallest_block(capsys):
+    assert main(["tree-demo", "--rounds", "2", "--block-size", "2", "--vocab", "4"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "|" in line]
+    assert len(rows) == 3  # the header and two rounds
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`caddtree ... | head`: the reader is gone before anything is written."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "caddtree.cli", "tree-demo", "--rounds", "3", "--vocab", "500"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141  # as a process ended by SIGPIPE
+    assert err == ""
+
+
+def test_importing_the_cli_loads_no_torch():
+    """Everything slow is imported inside main(), where Ctrl-C is caught."""
+    code = "import sys, caddtree.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_ctrl_c_while_starting_up_is_one_line(capsys, monkeypatch):
+    import caddtree.cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(caddtree.cli, "_build_parser", interrupted)
+    try:
+        status = main(["tree-demo"])
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C while the command line was being set up escaped main()")
+    assert status == 130
+    assert capsys.readouterr().err == "caddtree: interrupted\n"
+
+
+def test_ctrl_c_in_the_first_second_prints_no_traceback(tiny_pair_dirs):
+    import signal
+    import time
+
+    target, draft = tiny_pair_dirs
+    argv = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "float64", "hi"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "caddtree.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.8)  # past Python's start-up, inside the imports of torch and transformers
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().endswith("caddtree: interrupted")

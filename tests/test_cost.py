@@ -386,3 +386,44 @@ def test_a_valid_user_cost_model_builds_trees():
     logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
     tree = build_caddtree(logits, _UserCostModel(0.01, 0.02), context_length=10, max_budget=32)
     assert len(tree) == 32  # a flat verification cost: every extra node is free, up to the cap
+
+
+def test_a_scaled_model_reports_the_fit_quality_of_its_own_curves():
+    rng = np.random.default_rng(5)
+    n = np.arange(0, 65, 4)
+    model = ConvexCostModel.fit({0: (n, noisy_latencies(rng, n))}, draft_cost=0.004)
+    scaled = model.scaled(verify=3.0)
+    before, after = model.fit_quality[0], scaled.fit_quality[0]
+    assert after.r2 == pytest.approx(before.r2)  # a scale changes no relative error
+    assert after.rmse == pytest.approx(3.0 * before.rmse)
+    assert after.max_abs_error == pytest.approx(3.0 * before.max_abs_error)
+    # the same as fitting measurements three times as large
+    refit = ConvexCostModel.fit({0: (n, 3.0 * noisy_latencies(np.random.default_rng(5), n))}, 0.004)
+    assert after.rmse == pytest.approx(refit.fit_quality[0].rmse, rel=1e-4)
+
+
+# ---- found by the property-based suite of issue 14 (tests/test_robustness.py) --------------------
+
+
+@pytest.mark.parametrize("content", [b"\x80", b"PK\x03\x04", b"\x80\x02}q\x00."], ids=repr)
+def test_a_damaged_torch_cost_model_file_is_a_cost_model_error(tmp_path, content):
+    """A one-byte b"\\x80" file made torch.load raise a bare IndexError."""
+    path = tmp_path / "cost.pt"
+    path.write_bytes(content)
+    with pytest.raises(CostModelError, match="cannot read it as a torch cost-model file"):
+        load_cost_model(path)
+
+
+def test_a_vanishing_draft_cost_is_refused(tmp_path):
+    """C_d = 2e-311 s with a free verification made theta overflow to infinity: empty trees."""
+    n = np.array([0, 8, 64])
+    model = ConvexCostModel.fit({0: (n, 0.01 + 1e-4 * n)}, draft_cost=0.003)
+    data = model.to_dict()
+    data["draft_cost"] = 2.2e-311
+    data["curves"][0]["verify_cost"] = [0.0, 0.0, 0.0]
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostModelError, match=r"at least 1e-09"):
+        load_cost_model(path)
+    with pytest.raises(CostModelError, match=r"at least 1e-09"):
+        _UserCostModel(1e-300, 0.0).round_cost_table(0, 8)

@@ -426,6 +426,52 @@ def test_config_without_dflash_fields_is_refused(saved, tmp_path, edit, message)
         DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
 
 
+def test_truncated_weights_are_a_one_line_checkpoint_error(saved, tmp_path):
+    """Issue 14, defect 4: a cut-off model.safetensors gave a raw SafetensorError traceback."""
+    _, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "truncated")
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="damaged or cut short") as info:
+        DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+    message = str(info.value)
+    assert str(copy) in message and "\n" not in message
+
+
+def test_config_that_is_not_json_is_a_checkpoint_error(saved, tmp_path):
+    _, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "bad_json")
+    (copy / "config.json").write_text('{"architectures": ["DFlashDraftModel"], ')
+    with pytest.raises(CheckpointError, match="cannot load a DFlash drafter"):
+        DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("hidden_size", None, r"field 'hidden_size'.* expected int"),  # was a hub error type
+        ("hidden_size", 0, "hidden_size must be a positive integer"),
+        ("num_key_value_heads", 0, "num_key_value_heads must be a positive integer"),  # 1 / 0
+        ("num_key_value_heads", 3, "must be a multiple of num_key_value_heads"),
+        (
+            "rms_norm_eps",
+            float("nan"),
+            "rms_norm_eps must be a small positive number",
+        ),  # NaN logits
+        ("rms_norm_eps", -1.0, "rms_norm_eps must be a small positive number"),
+    ],
+)
+def test_config_fields_that_cannot_build_a_drafter_are_refused(
+    saved, tmp_path, field, value, message
+):
+    """Found by the property-based suite (tests/test_robustness.py)."""
+    _, _, directory = saved
+    copy = _copy_checkpoint(directory, tmp_path / "bad_field")
+    _rewrite_config(copy, lambda c: c.update({field: value}))
+    with pytest.raises(CheckpointError, match=message):
+        DFlashDraftModel.from_pretrained(copy, dtype=torch.float64)
+
+
 def test_missing_checkpoint_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="cannot load"):
         DFlashDraftModel.from_pretrained(tmp_path / "nothing-here", local_files_only=True)

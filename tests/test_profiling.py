@@ -286,3 +286,63 @@ def test_node_count_beyond_what_a_tree_can_hold(capsys, tiny_pair_dirs, tmp_path
     argv += ["--context-lengths", "0", "--out", str(tmp_path / "cost.json")]
     message = failing_profile(capsys, argv)
     assert "holds at most 96 nodes; node count 200 does not fit" in message
+
+
+# ---- issue 14: say how long a first-use profile will take ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_generator(tiny_pair_dirs):
+    from caddtree.api import SpeculativeGenerator
+
+    target, draft = tiny_pair_dirs
+    return SpeculativeGenerator.from_pretrained(target, draft, dtype="float64", device="cpu")
+
+
+def test_the_profile_estimate_is_on_the_high_side_of_the_real_time(tiny_generator, monkeypatch):
+    """With verification made slow (as a half dtype on a CPU makes it), the estimate knows."""
+    import time
+
+    from caddtree.profiling import estimate_profile_seconds
+
+    verifier, proposer = tiny_generator.verifier, tiny_generator.proposer
+    verify = verifier.verify
+
+    def slow_verify(bonus, tree):
+        time.sleep(0.002 + 0.0004 * len(tree))  # 2 ms per round, 0.4 ms per node
+        return verify(bonus, tree)
+
+    monkeypatch.setattr(verifier, "verify", slow_verify)
+    grid = {"context_lengths": [0, 16], "node_counts": [0, 4, 16, 32], "trials": 2, "warmup": 1}
+    estimate = estimate_profile_seconds(verifier, proposer, **grid)
+    start = time.perf_counter()
+    profile_cost_model(verifier, proposer, progress=False, **grid)
+    actual = time.perf_counter() - start
+    slept = 2 * 3 * sum(0.002 + 0.0004 * n for n in grid["node_counts"])  # lengths x runs
+    assert estimate >= slept and actual <= 3 * estimate, (estimate, actual)
+    assert estimate <= 5 * actual, (estimate, actual)
+
+
+def test_describe_duration():
+    from caddtree.profiling import describe_duration
+
+    assert describe_duration(3) == "about 3 seconds"
+    assert describe_duration(70) == "about a minute"
+    assert describe_duration(900) == "about 15 minutes"
+    assert describe_duration(3 * 3600) == "about 3.0 hours"
+
+
+def test_first_use_profiling_says_how_long_it_will_take(
+    tiny_generator, tmp_path, monkeypatch, capsys
+):
+    """It promised "about a minute" whatever the dtype; a float16 profile on a CPU took 15."""
+    import caddtree.profiling
+
+    fake = ConvexCostModel.fit({0: ([0, 8, 64], [0.01, 0.011, 0.02])}, draft_cost=0.002)
+    monkeypatch.setattr(caddtree.profiling, "estimate_profile_seconds", lambda *a, **k: 900.0)
+    monkeypatch.setattr(tiny_generator, "profile", lambda **kwargs: fake)
+    monkeypatch.setattr(tiny_generator.verifier, "dtype", torch.float16)  # what the hint reads
+    tiny_generator.cached_cost_model(tmp_path)
+    err = capsys.readouterr().err
+    assert "profiling it once (about 15 minutes, estimated" in err
+    assert "float16 may have no fast kernels on this CPU" in err and "float32" in err

@@ -14,28 +14,41 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from filelock import FileLock
 
 from .cost import CostModel, load_cost_model
 from .decoding import GenerationStats, RoundStats, Sampler, decode, make_policy
-from .errors import CheckpointError, InvalidInputError
-from .models.dflash import DFlashDraftModel, DFlashProposer
-from .models.target import TreeVerifier
+from .errors import CaddtreeError, CheckpointError, InvalidInputError
+from .profiling import MAX_NODE_COUNT
 from .tree import DraftTree
 
+if TYPE_CHECKING:
+    from .models.dflash import DFlashDraftModel
+
+# The model layer (transformers) is imported where a model is built, not here: the argument
+# checks below serve `caddtree generate` before any slow import or load.
+
 __all__ = [
+    "MAX_TREE_NODES",
+    "MIN_TEMPERATURE",
     "Divergence",
     "GenerationResult",
     "SpeculativeGenerator",
     "ar_baseline_dtypes",
+    "check_text",
+    "check_tree_budgets",
     "dtype_name",
     "explain_divergence",
     "machine_description",
+    "make_sampler",
     "near_tie_threshold",
+    "prefix_count",
     "resolve_dtype",
+    "token_ids",
 ]
 
 _DTYPES = {
@@ -135,6 +148,188 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+# ---- checking arguments before any model work ----------------------------------------------------
+
+MAX_TREE_NODES = MAX_NODE_COUNT
+"""The largest draft tree a round may verify (``budget`` of DDTree, ``max_budget`` of CaDDTree):
+4096 nodes, the profiling limit and 4x the paper's largest tree. Verifying ``n`` nodes builds an
+``n x n`` tree-attention mask and appends ``n`` entries to every layer's KV cache, so a typo such as
+``budget=1000000`` would otherwise ask for hundreds of GiB."""
+
+MIN_TEMPERATURE = 1e-6
+"""The smallest sampling temperature above 0. Sampling divides the logits by the temperature; far
+below this, the scaled logits overflow to infinity (``1e-320`` gives NaN probabilities) while the
+distribution is already greedy decoding's, so use ``temperature=0`` for that."""
+
+
+def prefix_count(depth: int, vocab: int, cap: int = MAX_TREE_NODES) -> int:
+    """How many distinct draft prefixes (tree nodes) ``depth`` positions over ``vocab`` tokens
+    allow, ``vocab + vocab**2 + ... + vocab**depth``, counted only up to ``cap + 1``."""
+    total, level = 0, 1
+    for _ in range(max(int(depth), 0)):
+        level *= max(int(vocab), 0)
+        total += level
+        if total > cap or level == 0:
+            break
+    return min(total, cap + 1)
+
+
+def _positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 1
+
+
+def check_tree_budgets(
+    method: str,
+    budget: Any,
+    max_budget: Any,
+    *,
+    block_size: int | None = None,
+    vocab: int | None = None,
+    names: tuple[str, str] = ("budget", "max_budget"),
+) -> int:
+    """Check the tree size arguments of ``method`` and return the ``max_budget`` to use.
+
+    A tree holds at most :data:`MAX_TREE_NODES` nodes, and no more than the distinct prefixes the
+    drafter's block allows (:func:`prefix_count` of ``block_size - 1`` positions over the
+    ``vocab`` tokens it scores, when both are given). A DDTree ``budget`` beyond either is refused
+    (it asks for a tree that cannot be built); a CaDDTree ``max_budget`` is a ceiling, refused
+    beyond :data:`MAX_TREE_NODES` and lowered to the prefix count. ``names`` are the argument
+    names used in messages (``("--budget", "--max-budget")`` for the command line). Arguments of
+    other methods are left to :func:`caddtree.decoding.make_policy`.
+    """
+    holds = MAX_TREE_NODES
+    why = (
+        f"the limit of {MAX_TREE_NODES} nodes per tree (MAX_TREE_NODES; the paper uses up to 1024)"
+    )
+    if block_size is not None and vocab is not None:
+        room = prefix_count(block_size - 1, vocab)
+        if room < holds:
+            holds = room
+            why = (
+                f"the {room} distinct prefixes the drafter's block of {block_size} positions "
+                f"over {vocab} tokens can hold"
+            )
+    if method == "ddtree" and budget is not None:
+        if not _positive_int(budget):
+            raise InvalidInputError(f"{names[0]} must be a positive integer, got {budget!r}")
+        if budget > holds:
+            raise InvalidInputError(f"{names[0]} {budget} is above {why}; use at most {holds}")
+    if method != "caddtree":
+        return max_budget
+    if not _positive_int(max_budget):
+        raise InvalidInputError(f"{names[1]} must be a positive integer, got {max_budget!r}")
+    if max_budget > MAX_TREE_NODES:
+        raise InvalidInputError(
+            f"{names[1]} {max_budget} is above the limit of {MAX_TREE_NODES} nodes per tree "
+            f"(MAX_TREE_NODES; the paper uses up to 1024); use at most {MAX_TREE_NODES}"
+        )
+    return int(min(max_budget, holds))
+
+
+def make_sampler(
+    temperature: Any = 0.0,
+    top_p: Any = 1.0,
+    seed: Any = None,
+    device: torch.device | str = "cpu",
+) -> Sampler:
+    """A :class:`~caddtree.decoding.Sampler`, after the checks it leaves out: a temperature above
+    0 but below :data:`MIN_TEMPERATURE`, and a seed that is not an integer in ``[0, 2**64)``."""
+    if isinstance(temperature, bool) or isinstance(top_p, bool):
+        raise InvalidInputError("temperature and top_p are numbers, not True/False")
+    if isinstance(temperature, (int, float)) and 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidInputError(
+            f"temperature {temperature!r} is too small to sample with (the scaled logits "
+            f"overflow); use 0 for greedy decoding or at least {MIN_TEMPERATURE:g}"
+        )
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64
+    ):
+        raise InvalidInputError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    return Sampler(temperature, top_p, None if seed is None else int(seed), device=device)
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """Return ``text`` when it can be encoded as UTF-8. Python keeps bytes that are not UTF-8 (a
+    command-line argument in Latin-1, say) as lone surrogates, which tokenizers cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, kept by surrogateescape
+            found = f"byte 0x{code - 0xDC00:02x} at character {exc.start}"
+        else:
+            found = f"the lone surrogate U+{code:04X} at character {exc.start}"
+        raise InvalidInputError(
+            f"{what} is not valid UTF-8 text ({found}); give it in UTF-8 (check the terminal's "
+            "or the file's encoding)"
+        ) from None
+    return text
+
+
+def token_ids(ids: Any, vocab_size: int, what: str = "token ids") -> list[int]:
+    """Token ids as a list of ints: from a list or tuple of integers, or a 1-D integer torch
+    tensor or numpy array. Refuses bytes, floats, booleans, nested lists and ids outside
+    ``[0, vocab_size)`` with an :class:`InvalidInputError` naming ``what`` and the problem."""
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(
+            f"{what} given as bytes are ambiguous: decode bytes to str for text, or pass token ids "
+            "as a list of ints"
+        )
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        integer = (
+            not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+            if isinstance(ids, torch.Tensor)
+            else ids.dtype.kind in "iu"
+        )
+        kind = type(ids).__name__
+        if not integer:
+            raise InvalidInputError(f"{what} must be integers, got a {kind} of {ids.dtype}")
+        if ids.ndim != 1:
+            raise InvalidInputError(
+                f"{what} must be 1-D, got a {kind} of shape {tuple(ids.shape)} (for a batch of "
+                "one, pass ids[0])"
+            )
+        out = [int(t) for t in ids.tolist()]
+    elif isinstance(ids, (list, tuple)):
+        for t in ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise InvalidInputError(
+                    f"{what} must be integers, got {t!r} ({type(t).__name__}) in the list"
+                )
+        out = [int(t) for t in ids]
+    else:
+        raise InvalidInputError(
+            f"{what} must be a list of ints or a 1-D integer tensor or array, got a value of type "
+            f"{type(ids).__name__}"
+        )
+    bad = [t for t in out if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidInputError(
+            f"token id {bad[0]} is outside the vocabulary of {vocab_size} tokens"
+        )
+    return out
+
+
+def _chat_messages(prompt: Any) -> list[dict[str, str]] | None:
+    """``prompt`` as a list of chat messages when it is one (every item a dict), else ``None``;
+    messages without a string ``role`` and ``content`` are refused."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return None
+    dicts = [isinstance(m, dict) for m in prompt]
+    if not any(dicts):
+        return None
+    if not all(dicts):
+        raise InvalidInputError("a prompt mixes chat messages (dicts) with other items")
+    for i, message in enumerate(prompt):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidInputError(
+                f'chat message {i} needs a string "role" and a string "content", got {message!r}'
+            )
+        check_text(content, f"chat message {i}")
+    return list(prompt)
+
+
 def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
     """EOS ids from ``tokenizer`` and from ``model.generation_config`` (int or list; either may
     be missing)."""
@@ -177,6 +372,10 @@ def machine_description(device: torch.device) -> str:
         pass
     return f"cpu:{cpu}:{os.cpu_count()} cores:{torch.get_num_threads()} threads"
 
+
+SLOW_PROFILE_S = 300.0
+"""A first-use profile estimated to take longer than this (seconds) comes with a hint how to
+avoid it."""
 
 NOISY_R2 = 0.9  # a verification-cost fit below this R2 was probably disturbed by other work
 
@@ -236,6 +435,9 @@ class SpeculativeGenerator:
         *,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
     ):
+        from .models.dflash import DFlashProposer
+        from .models.target import TreeVerifier
+
         self.target = target.eval()
         self.tokenizer = tokenizer
         self.drafter = drafter.eval() if drafter is not None else None
@@ -262,21 +464,43 @@ class SpeculativeGenerator:
     ) -> SpeculativeGenerator:
         """Load a transformers causal LM (a local directory or hub id) with SDPA attention, its
         tokenizer, and a DFlash drafter in the released format (``draft``; optional for ``ar``)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from .models.dflash import DFLASH_ARCHITECTURE, DFlashDraftModel
+        from .models.target import check_model_location, checkpoint_errors
 
         dev = _resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         extra = {"gguf_file": gguf_file} if gguf_file else {}
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                target, dtype=torch_dtype, attn_implementation="sdpa", **extra, **target_kwargs
+        what = "the target model"
+        check_model_location(target, what, gguf_file or "config.json")
+        if draft is not None:
+            check_model_location(draft, "a DFlash drafter from")
+        with checkpoint_errors(what, target):
+            config = AutoConfig.from_pretrained(target, **extra)
+            if DFLASH_ARCHITECTURE in (getattr(config, "architectures", None) or []):
+                raise CheckpointError(
+                    f"{str(target)!r} is a DFlash drafter, not a target model: give it as the "
+                    "drafter (--draft / draft=) and, as the target, the model it drafts for"
+                )
+            model, info = AutoModelForCausalLM.from_pretrained(
+                target,
+                dtype=torch_dtype,
+                attn_implementation="sdpa",
+                output_loading_info=True,
+                **extra,
+                **target_kwargs,
             )
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot load the target model {str(target)!r}: {exc}") from None
-        try:
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise CheckpointError(
+                f"{str(target)!r} is not a complete causal language model: it lacks the weights "
+                f"{', '.join(missing[:3])}{more}, which would start random. A target needs its "
+                "token embeddings, every layer and an LM head"
+            )
+        with checkpoint_errors("the tokenizer of", target):
             tokenizer = AutoTokenizer.from_pretrained(target, **extra)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot load the tokenizer of {str(target)!r}: {exc}") from None
         drafter = None
         if draft is not None:
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=torch_dtype).to(dev)
@@ -299,6 +523,27 @@ class SpeculativeGenerator:
         }
         meta.update(getattr(self, "source", {}))
         return profile_cost_model(self.verifier, self.proposer, metadata=meta, **kwargs)
+
+    def _profile_duration(self, settings: dict[str, Any]) -> str:
+        """How long :meth:`profile` with ``settings`` will take, said for a person (see
+        :func:`caddtree.profiling.estimate_profile_seconds`), with a hint when a half-precision
+        dtype makes it slow on a CPU."""
+        from .profiling import describe_duration, estimate_profile_seconds
+
+        seconds = estimate_profile_seconds(self.verifier, self.proposer, **settings)
+        text = f"{describe_duration(seconds)}, estimated"
+        if seconds > SLOW_PROFILE_S and self.verifier.device.type == "cpu":
+            dtype = dtype_name(self.verifier.dtype)
+            if self.verifier.dtype in _CPU_SLOW_HALF:
+                other = " or ".join(d for d in ("float32", "bfloat16") if d != dtype)
+                text += (
+                    f"; {dtype} may have no fast kernels on this CPU: the dtype {other} may "
+                    "profile and decode several times faster; or give a cost model "
+                    "(--cost-model / cost_model=) to skip profiling"
+                )
+            else:
+                text += "; give a cost model (--cost-model / cost_model=) to skip profiling"
+        return text
 
     def _default_profile_lengths(self) -> list[int]:
         """Context lengths for the automatic profile: up to 1024, within the model's window."""
@@ -336,34 +581,41 @@ class SpeculativeGenerator:
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         path = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"
         path = path / f"cost-{digest}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # One profiling per cache entry at a time: two processes timing the machine at once would
-        # each measure the other's load and cache a fit that says rounds cost several times what
-        # they do. The second process waits here, then reads the first one's result.
-        with FileLock(str(path) + ".lock"):
-            if path.is_file():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # One profiling per cache entry at a time: two processes timing the machine at once
+            # would each measure the other's load and cache a fit that says rounds cost several
+            # times what they do. The second process waits here, then reads the first one's result.
+            with FileLock(str(path) + ".lock"):
+                if path.is_file():
+                    print(
+                        f"caddtree: using the cost model profiled earlier on this machine: {path}",
+                        file=sys.stderr,
+                    )
+                    return load_cost_model(path)
+                if "context_lengths" not in kwargs:
+                    kwargs["context_lengths"] = self._default_profile_lengths()
+                settings = {"trials": 3, "warmup": 1, **kwargs}
                 print(
-                    f"caddtree: using the cost model profiled earlier on this machine: {path}",
+                    "caddtree: no cost model for this model pair and machine yet; profiling it "
+                    f"once ({self._profile_duration(settings)}), then caching it",
                     file=sys.stderr,
                 )
-                return load_cost_model(path)
-            print(
-                "caddtree: no cost model for this model pair and machine yet; profiling it once "
-                "(about a minute), then caching it",
-                file=sys.stderr,
-            )
-            if "context_lengths" not in kwargs:
-                kwargs["context_lengths"] = self._default_profile_lengths()
-            settings = {"trials": 3, "warmup": 1, **kwargs}
-            model = self.profile(**settings)
-            if _worst_r2(model) < NOISY_R2:
-                print(
-                    f"caddtree: the timings were noisy (R2 down to {_worst_r2(model):.2f}); "
-                    "measuring once more",
-                    file=sys.stderr,
-                )
-                model = max(model, self.profile(**settings), key=_worst_r2)
-            model.save(path)
+                model = self.profile(**settings)
+                if _worst_r2(model) < NOISY_R2:
+                    print(
+                        f"caddtree: the timings were noisy (R2 down to {_worst_r2(model):.2f}); "
+                        "measuring once more",
+                        file=sys.stderr,
+                    )
+                    model = max(model, self.profile(**settings), key=_worst_r2)
+                model.save(path)
+        except OSError as exc:  # e.g. a cache folder another user made, without write access
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise CaddtreeError(
+                f"cannot use the cost-model cache in {path.parent}: {exc.strerror or exc}{where}; "
+                "make it writable for this user, or set CADDTREE_CACHE to a writable directory"
+            ) from None
         print(f"caddtree: cost model saved to {path}\n{model.fit_report()}", file=sys.stderr)
         if _worst_r2(model) < NOISY_R2:
             print(
@@ -374,6 +626,19 @@ class SpeculativeGenerator:
             )
         return model
 
+    def _block(self) -> dict[str, int]:
+        """The drafter's block size and the number of tokens it scores (its draft vocabulary, or
+        the target's), for :func:`check_tree_budgets`; empty without a drafter."""
+        if self.proposer is None:
+            return {}
+        token_map = self.proposer.token_map
+        vocab = (
+            len(token_map)
+            if token_map is not None
+            else int(self.target.config.get_text_config().vocab_size)
+        )
+        return {"block_size": self.proposer.block_size, "vocab": vocab}
+
     @staticmethod
     def _cost_model(value: CostModel | str | os.PathLike[str] | None) -> CostModel | None:
         if value is None or isinstance(value, CostModel):
@@ -383,16 +648,17 @@ class SpeculativeGenerator:
     # ---- prompts ------------------------------------------------------------------------------
 
     def encode(
-        self, prompt: str | Sequence[int] | Sequence[dict[str, str]], chat: bool | None = None
+        self, prompt: str | Sequence[int] | Sequence[dict[str, str]] | Any, chat: bool | None = None
     ) -> list[int]:
         """Token ids of ``prompt``: a string (wrapped in the chat template when the tokenizer has
-        one, unless ``chat=False``), a list of chat messages, or token ids as they are."""
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+        one, unless ``chat=False``), a list of chat messages, or token ids as they are (a list of
+        ints, or a 1-D integer torch tensor or numpy array; see :func:`token_ids`)."""
+        messages = _chat_messages(prompt)
+        if isinstance(prompt, str) or messages is not None:
             if self.tokenizer is None:
                 raise InvalidInputError("this generator has no tokenizer; pass token ids instead")
-            messages = (
-                [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            )
+            if messages is None:
+                messages = [{"role": "user", "content": check_text(prompt)}]
             has_template = getattr(self.tokenizer, "chat_template", None) is not None
             if chat is None:
                 chat = has_template
@@ -403,19 +669,13 @@ class SpeculativeGenerator:
             if not isinstance(prompt, str):
                 raise InvalidInputError("chat messages need chat=True and a chat template")
             return [int(t) for t in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
+        if not isinstance(prompt, (list, tuple, torch.Tensor, np.ndarray, bytes, bytearray)):
             raise InvalidInputError(
-                "a prompt is a string, a list of chat messages, or token ids"
-            ) from None
-        vocab = int(self.target.config.get_text_config().vocab_size)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidInputError(
-                f"token id {bad[0]} is outside the vocabulary of {vocab} tokens"
+                "a prompt is a string, a list of chat messages, or token ids (a list of ints, or "
+                f"a 1-D integer tensor or array), got a value of type {type(prompt).__name__}"
             )
-        return ids
+        vocab = int(self.target.config.get_text_config().vocab_size)
+        return token_ids(prompt, vocab, "a prompt's token ids")
 
     def default_stop_token_ids(self) -> set[int]:
         """EOS from the tokenizer and from the target's generation config."""
@@ -445,6 +705,7 @@ class SpeculativeGenerator:
         ``stop_token_ids=None`` uses :meth:`default_stop_token_ids`; pass ``()`` to ignore EOS.
         """
         cost = self._cost_model(cost_model) or self.cost_model
+        max_budget = check_tree_budgets(method, budget, max_budget, **self._block())
         policy = make_policy(
             method,
             budget=budget,
@@ -456,19 +717,32 @@ class SpeculativeGenerator:
                 f"method {method!r} needs a DFlash drafter; load one (draft=...) or use method='ar'"
             )
         prompt_ids = self.encode(prompt, chat=chat)
-        sampler = Sampler(temperature, top_p, seed, device=self.verifier.device)
-        stops = self.default_stop_token_ids() if stop_token_ids is None else set(stop_token_ids)
-        result = decode(
-            self.verifier,
-            prompt_ids,
-            policy,
-            proposer=self.proposer,
-            max_new_tokens=max_new_tokens,
-            sampler=sampler,
-            stop_token_ids=stops,
-            callback=callback,
-            tree_callback=tree_callback,
-        )
+        sampler = make_sampler(temperature, top_p, seed, device=self.verifier.device)
+        stops = self.default_stop_token_ids()
+        if stop_token_ids is not None:
+            if isinstance(stop_token_ids, Iterable) and not isinstance(
+                stop_token_ids, (str, bytes, bytearray, torch.Tensor, np.ndarray)
+            ):
+                stop_token_ids = list(stop_token_ids)  # a set, a generator ...
+            vocab = int(self.target.config.get_text_config().vocab_size)
+            stops = set(token_ids(stop_token_ids, vocab, "stop_token_ids"))
+        try:
+            result = decode(
+                self.verifier,
+                prompt_ids,
+                policy,
+                proposer=self.proposer,
+                max_new_tokens=max_new_tokens,
+                sampler=sampler,
+                stop_token_ids=stops,
+                callback=callback,
+                tree_callback=tree_callback,
+            )
+        finally:
+            # let the KV caches go: they grow with the output (see benchmarks/long_generation.py)
+            self.verifier.reset()
+            if self.proposer is not None:
+                self.proposer.reset()
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

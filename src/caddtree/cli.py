@@ -7,14 +7,19 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from .decoding import METHODS
 from .errors import CaddtreeError, InvalidInputError
-from .profiling import MAX_NODE_COUNT
 
 Handler = Callable[[argparse.Namespace], int]
+
+# `tree-demo` bounds: a block of B positions over V tokens is a [B-1, V] float64 array per round.
+DEMO_MAX_BLOCK_SIZE = 64
+DEMO_MAX_VOCAB = 2**18
 
 
 def _tree_demo(args: argparse.Namespace) -> int:
@@ -24,8 +29,23 @@ def _tree_demo(args: argparse.Namespace) -> int:
     from .cost import ConvexCostModel
     from .tree import build_caddtree, build_chain, build_ddtree, topk_log_probs
 
+    B, V = args.block_size, args.vocab
+    if not 2 <= B <= DEMO_MAX_BLOCK_SIZE:
+        raise InvalidInputError(
+            f"--block-size must be between 2 and {DEMO_MAX_BLOCK_SIZE} (the bonus token and at "
+            f"least one drafted position), got {B}"
+        )
+    if not 4 * (B - 1) <= V <= DEMO_MAX_VOCAB:
+        raise InvalidInputError(
+            f"--vocab must be between {4 * (B - 1)} (the demo plants 4 likely tokens, distinct "
+            f"across the block's {B - 1} drafted positions) and {DEMO_MAX_VOCAB}, got {V}"
+        )
+    if args.rounds < 0 or args.seed < 0:
+        raise InvalidInputError(
+            f"--rounds and --seed must be non-negative integers, got {args.rounds} and {args.seed}"
+        )
     rng = np.random.default_rng(args.seed)
-    L, V = args.block_size - 1, args.vocab
+    L = B - 1
     # A synthetic verification cost: flat up to 16 nodes, then 0.5 ms per node (a gentler slope than
     # DESIGN.md reports for SmolLM2-135M on a 2-core CPU), growing with context length.
     n = np.arange(0, 1025, 8)
@@ -85,11 +105,14 @@ def _generate(args: argparse.Namespace) -> int:
     from .api import (
         SpeculativeGenerator,
         ar_baseline_dtypes,
+        check_text,
+        check_tree_budgets,
         dtype_name,
         explain_divergence,
+        make_sampler,
         resolve_dtype,
     )
-    from .decoding import Sampler
+    from .cost import load_cost_model
     from .streaming import IncrementalDecoder
 
     if args.target is not None and args.method != "ar" and args.draft is None:
@@ -99,12 +122,18 @@ def _generate(args: argparse.Namespace) -> int:
     if args.method == "ddtree" and args.budget is None:
         args.budget = 64
     # check what needs no model before spending time on loading one
+    check_text(args.prompt)
+    check_tree_budgets(
+        args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
+    )
     if args.max_new_tokens <= 0:
         raise InvalidInputError(
             f"max_new_tokens must be a positive integer, got {args.max_new_tokens}"
         )
-    Sampler(args.temperature, args.top_p)
+    make_sampler(args.temperature, args.top_p, args.seed)
     resolve_dtype(args.dtype, torch.device("cpu"))
+    if args.cost_model is not None:
+        args.cost_model = load_cost_model(args.cost_model)
     if args.ar_dtypes is not None and not args.compare_ar:
         raise InvalidInputError("--ar-dtypes only applies with --compare-ar")
     ar_dtypes = args.ar_dtypes or "auto"
@@ -333,6 +362,15 @@ def _profile(args: argparse.Namespace) -> int:
         f"after {warmup} warm-up",
         file=sys.stderr,
     )
+    seconds = profiling.estimate_profile_seconds(
+        gen.verifier,
+        gen.proposer,
+        context_lengths=lengths,
+        node_counts=counts,
+        trials=trials,
+        warmup=warmup,
+    )
+    print(f"caddtree: {profiling.describe_duration(seconds)}, estimated", file=sys.stderr)
     model = gen.profile(context_lengths=lengths, node_counts=counts, trials=trials, warmup=warmup)
     saved = model.save(out)
     print("verification cost C_v(n; l), convex fit per context length:")
@@ -558,6 +596,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from .decoding import METHODS
+    from .profiling import MAX_NODE_COUNT
+
     parser = argparse.ArgumentParser(
         prog="caddtree",
         description="Lossless speculative decoding with cost-aware diffusion draft trees.",
@@ -763,18 +804,39 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_broken_pipe() -> int:
+    """Exit quietly after the reader of our output went away (``caddtree ... | head``), as Unix
+    tools do: point stdout and stderr at /dev/null, so that the interpreter's final flush does not
+    raise again, and return the status of a process ended by SIGPIPE (see the Python
+    documentation's note on SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        # not every stream is a real file (e.g. under a test)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+    return 128 + getattr(signal, "SIGPIPE", 13)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    handler: Handler = args.handler
+    """Run one sub-command. Everything heavy (torch, transformers) is imported in here, after
+    ``caddtree.cli`` itself has loaded, so a Ctrl-C during start-up ends as any other one does:
+    "caddtree: interrupted" and exit status 130, no traceback."""
     try:
-        return handler(args)
+        parser = _build_parser()
+        args = parser.parse_args(argv)
+        handler: Handler = args.handler
+        status = handler(args)
+        sys.stdout.flush()  # a closed pipe is reported here, not at interpreter exit
+        return status
     except CaddtreeError as exc:
         print(f"caddtree: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("caddtree: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -33,7 +33,7 @@ import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +255,12 @@ def _fit_quality(y: np.ndarray, f: np.ndarray) -> FitQuality:
 # --------------------------------------------------------------------------------------------------
 
 
+MIN_DRAFT_COST = 1e-9
+"""The smallest ``C_d`` accepted, in seconds (a nanosecond: no drafter pass is faster). Below it
+the throughput ``(1 + phi) / (C_d + C_v)`` of a model whose verification costs nothing overflows to
+infinity, and every tree would come out empty."""
+
+
 def _check_draft_cost(draft_cost: Any) -> float:
     try:
         value = float(draft_cost)
@@ -262,9 +268,10 @@ def _check_draft_cost(draft_cost: Any) -> float:
         raise CostModelError(
             f"draft_cost must be a number of seconds, got {draft_cost!r}"
         ) from None
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value) or value < MIN_DRAFT_COST:
         raise CostModelError(
-            f"draft_cost must be a positive, finite number of seconds, got {value!r}"
+            f"draft_cost must be a positive, finite number of seconds (at least "
+            f"{MIN_DRAFT_COST:g}), got {value!r}"
         )
     return value
 
@@ -308,14 +315,12 @@ class CostModel(ABC):
         instead of dividing by zero or silently building empty trees.
         """
         try:
-            draft = float(self.draft_cost)
-        except (TypeError, ValueError):
-            draft = math.nan
-        if not (math.isfinite(draft) and draft > 0):
+            draft = _check_draft_cost(self.draft_cost)
+        except CostModelError:
             raise CostModelError(
                 f"{type(self).__name__}.draft_cost is {self.draft_cost!r}; C_d must be a positive, "
-                "finite number of seconds"
-            )
+                f"finite number of seconds (at least {MIN_DRAFT_COST:g})"
+            ) from None
         verify = np.asarray(self.verify_cost_table(context_length, max_n), dtype=np.float64)
         if verify.shape != (max_n + 1,) or not np.isfinite(verify).all() or (verify < 0).any():
             raise CostModelError(
@@ -477,7 +482,12 @@ class ConvexCostModel(_CurvesPerContext):
             for length, c in zip(self.context_lengths, self.curves)
         }
         meta = dict(self.metadata, scaled={"draft": draft, "verify": verify})
-        return ConvexCostModel(curves, self.draft_cost * draft, self.fit_quality, meta)
+        # the measurements scale with the curves: R2 stays, the errors (in seconds) scale
+        quality = {
+            length: replace(q, rmse=q.rmse * verify, max_abs_error=q.max_abs_error * verify)
+            for length, q in self.fit_quality.items()
+        }
+        return ConvexCostModel(curves, self.draft_cost * draft, quality, meta)
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -542,13 +552,22 @@ def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
     path = Path(path)
     if not path.is_file():
         raise CostModelError(f"cost-model file not found: {path}")
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CostModelError(
+            f"cannot read the cost-model file {path}: {exc.strerror or exc}"
+        ) from None
     head = raw.lstrip()[:1]
     if head == b"{":
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CostModelError(f"{path} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise CostModelError(
+                f"{path} is not a cost model: its JSON is nested too deeply"
+            ) from None
         return _from_json(data, path)
     if raw[:2] == b"PK" or raw[:1] == b"\x80":  # torch zip archive, or legacy torch pickle stream
         return _from_published_torch(path)
@@ -599,13 +618,11 @@ def _from_json(data: Any, path: Path) -> CostModel:
 
 
 def _from_published_torch(path: Path) -> CostModel:
-    import pickle
-
     import torch
 
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as exc:
+    except Exception as exc:  # a damaged file fails in many ways: IndexError, BadZipFile, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CostModelError(
             f"{path}: cannot read it as a torch cost-model file with weights_only=True ({first}). "

@@ -37,6 +37,8 @@ __all__ = [
     "QUICK_CONTEXT_LENGTHS",
     "QUICK_NODE_COUNTS",
     "check_profile_grid",
+    "describe_duration",
+    "estimate_profile_seconds",
     "fit_context_lengths",
     "max_profile_context_length",
     "plot_cost_model",
@@ -159,6 +161,114 @@ def _median_time(fn, warmup: int, trials: int, devices: Sequence[torch.device]) 
     return statistics.median(times)
 
 
+_GRID_DEFAULTS: dict[str, Any] = {
+    "context_lengths": (0, 256, 512),
+    "node_counts": DEFAULT_NODE_COUNTS,
+    "trials": 5,
+    "warmup": 2,
+    "vocab_size": None,
+    "seed": 0,
+}
+"""The defaults of :func:`profile_cost_model`'s grid, for :func:`estimate_profile_seconds`."""
+
+
+def _checked_grid(
+    verifier: Any,
+    proposer: Any,
+    context_lengths: Sequence[int],
+    node_counts: Sequence[int],
+    trials: int,
+    warmup: int,
+    vocab_size: int | None,
+    seed: int,
+) -> tuple[list[int], list[int], int, dict[int, DraftTree]]:
+    """The grid of :func:`profile_cost_model`, checked against the models: ``(lengths, counts,
+    vocab, trees)`` with the profiling tree of every node count."""
+    if proposer is None:
+        raise InvalidInputError("profiling the drafting cost C_d needs a drafter (a DFlash model)")
+    lengths, counts = check_profile_grid(context_lengths, node_counts, trials, warmup)
+    depth = proposer.block_size - 1
+    longest = max_profile_context_length(verifier, proposer)
+    if longest is not None and lengths[-1] > longest:
+        raise InvalidInputError(
+            f"context length {lengths[-1]} leaves no room for the bonus token and a depth-{depth} "
+            f"tree in the model's {verifier.max_positions} positions; "
+            + (f"profile context lengths up to {longest}" if longest >= 0 else "none fits")
+        )
+    vocab = vocab_size or int(verifier.model.config.get_text_config().vocab_size)
+    trees = {n: profiling_tree(n, depth, vocab, seed) for n in counts}
+    short = [n for n, tree in trees.items() if len(tree) != n]
+    if short:
+        raise InvalidInputError(
+            f"a tree of depth {depth} over {min(256, vocab)} candidate tokens holds at most "
+            f"{len(trees[short[0]])} nodes; node count {short[0]} does not fit"
+        )
+    return lengths, counts, vocab, trees
+
+
+def _timed(fn, devices: Sequence[torch.device]) -> float:
+    """Wall time of one call of ``fn()``, every device in ``devices`` synchronised around it."""
+    return _median_time(fn, 0, 1, devices)
+
+
+def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float:
+    """How long :func:`profile_cost_model` with the same arguments will take, in seconds: an
+    estimate on the high side, from a few forwards on this machine, to tell a user before a
+    profile that may take minutes (a half-precision dtype without fast CPU kernels is many times
+    slower than float32).
+
+    Times the prefill of the longest context, then after it one untimed and one timed
+    verification of the largest tree, one of the empty tree, and one drafter pass. The estimate
+    takes a verification to grow linearly in ``n`` between the two trees and to cost as much at
+    every context length as at the longest, and a prefill to grow linearly with its length.
+    ``grid`` holds :func:`profile_cost_model`'s keyword arguments (the same defaults; ``progress``
+    and ``metadata`` are ignored). Leaves both caches empty.
+    """
+    grid = {**_GRID_DEFAULTS, **{k: v for k, v in grid.items() if k in _GRID_DEFAULTS}}
+    lengths, counts, vocab, trees = _checked_grid(verifier, proposer, **grid)
+    trials, warmup, seed = grid["trials"], grid["warmup"], grid["seed"]
+    devices = list(dict.fromkeys([verifier.device, proposer.drafter.fc.weight.device]))
+    gen = torch.Generator().manual_seed(seed)
+    longest = max(lengths[-1], 1)
+    context = torch.randint(0, vocab, (longest,), generator=gen).tolist()
+    largest = trees[counts[-1]]
+    features: list[torch.Tensor] = []
+
+    def verify(tree: DraftTree) -> None:
+        verifier.verify(0, tree)
+        verifier.commit([])
+
+    try:
+        verifier.reset()
+        prefill_s = _timed(lambda: features.append(verifier.prefill(context)[1]), devices)
+        verify(largest)  # untimed: the first call pays one-time costs
+        largest_s = _timed(lambda: verify(largest), devices)
+        empty_s = _timed(lambda: verify(DraftTree.empty()), devices)
+        proposer.reset()
+        draft_s = _timed(lambda: proposer.propose(0, features[0]), devices)
+    finally:
+        verifier.reset()
+        proposer.reset()
+    slope = max(largest_s - empty_s, 0.0) / max(counts[-1], 1)
+    per_point = sum(empty_s + slope * n for n in counts) + draft_s
+    runs = warmup + trials
+    return sum(
+        prefill_s * max(length, 1) / longest + draft_s + runs * per_point for length in lengths
+    )
+
+
+def describe_duration(seconds: float) -> str:
+    """A duration for a person: ``"about 40 seconds"``, ``"about a minute"``, ``"about 15
+    minutes"``, ``"about 2.5 hours"``."""
+    if seconds < 45:
+        return f"about {max(round(seconds), 1)} seconds"
+    if seconds < 90:
+        return "about a minute"
+    if seconds < 5400:
+        return f"about {round(seconds / 60)} minutes"
+    return f"about {seconds / 3600:.1f} hours"
+
+
 def profile_cost_model(
     verifier: Any,
     proposer: Any,
@@ -182,28 +292,12 @@ def profile_cost_model(
     """
     from tqdm.auto import tqdm
 
-    if proposer is None:
-        raise InvalidInputError("profiling the drafting cost C_d needs a drafter (a DFlash model)")
-    lengths, counts = check_profile_grid(context_lengths, node_counts, trials, warmup)
-    depth = proposer.block_size - 1
-    longest = max_profile_context_length(verifier, proposer)
-    if longest is not None and lengths[-1] > longest:
-        raise InvalidInputError(
-            f"context length {lengths[-1]} leaves no room for the bonus token and a depth-{depth} "
-            f"tree in the model's {verifier.max_positions} positions; "
-            + (f"profile context lengths up to {longest}" if longest >= 0 else "none fits")
-        )
-    vocab = vocab_size or int(verifier.model.config.get_text_config().vocab_size)
+    lengths, counts, vocab, trees = _checked_grid(
+        verifier, proposer, context_lengths, node_counts, trials, warmup, vocab_size, seed
+    )
     gen = torch.Generator().manual_seed(seed)
     device = verifier.device
     draft_devices = list(dict.fromkeys([device, proposer.drafter.fc.weight.device]))
-    trees = {n: profiling_tree(n, depth, vocab, seed) for n in counts}
-    short = [n for n, tree in trees.items() if len(tree) != n]
-    if short:
-        raise InvalidInputError(
-            f"a tree of depth {depth} over {min(256, vocab)} candidate tokens holds at most "
-            f"{len(trees[short[0]])} nodes; node count {short[0]} does not fit"
-        )
     measurements: dict[int, tuple[list[int], list[float]]] = {}
     draft_times: list[float] = []
     bar = tqdm(

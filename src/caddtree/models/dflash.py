@@ -64,7 +64,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ..errors import CheckpointError, InvalidInputError
-from .target import compact_cache
+from .target import check_model_location, checkpoint_errors, compact_cache
 
 __all__ = [
     "DFLASH_ARCHITECTURE",
@@ -183,6 +183,17 @@ class DFlashSettings:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# config.json fields that size the drafter's layers (head_dim may be absent: hidden / heads)
+_SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,6 +330,20 @@ class DFlashDraftModel(PreTrainedModel):
             raise CheckpointError(
                 "this drafter uses sliding-window or causal attention, which plain DFlash drafters "
                 "do not; it is not supported"
+            )
+        for field in _SIZE_FIELDS:
+            value = getattr(config, field, None)
+            if not (_is_int(value) and value >= 1) and not (field == "head_dim" and value is None):
+                raise CheckpointError(f"{field} must be a positive integer, got {value!r}")
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({config.num_key_value_heads})"
+            )
+        eps = getattr(config, "rms_norm_eps", None)
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1):
+            raise CheckpointError(
+                f"rms_norm_eps must be a small positive number (e.g. 1e-6), got {eps!r}"
             )
         self.settings = DFlashSettings.from_config(config)
         self.layers = nn.ModuleList(
@@ -458,13 +483,18 @@ class DFlashDraftModel(PreTrainedModel):
     ) -> Any:
         """``PreTrainedModel.from_pretrained`` that refuses incomplete or mis-shaped checkpoints.
 
-        Raises :class:`CheckpointError` when the checkpoint cannot be read, when ``config.json``
-        lacks a DFlash field, or when a weight is missing (the message names it) or has the wrong
-        shape (unless ``ignore_mismatched_sizes=True``). Extra weights are ignored, as usual.
+        Raises :class:`CheckpointError` when the checkpoint cannot be read (a missing directory is
+        refused before any hub request, see :func:`~caddtree.models.target.check_model_location`;
+        a truncated weights file or a malformed config.json gets one line, see
+        :func:`~caddtree.models.target.checkpoint_errors`), when ``config.json`` lacks a DFlash
+        field, or when a weight is missing (the message names it) or has the wrong shape (unless
+        ``ignore_mismatched_sizes=True``). Extra weights are ignored, as usual.
         """
         want_info = kwargs.pop("output_loading_info", False)
         allow_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
-        try:
+        what = "a DFlash drafter from"
+        check_model_location(pretrained_model_name_or_path, what)
+        with checkpoint_errors(what, pretrained_model_name_or_path):
             # transformers raises a bare RuntimeError on shape mismatches; report them ourselves.
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path,
@@ -473,10 +503,6 @@ class DFlashDraftModel(PreTrainedModel):
                 ignore_mismatched_sizes=True,
                 **kwargs,
             )
-        except OSError as err:
-            raise CheckpointError(
-                f"cannot load a DFlash drafter from {str(pretrained_model_name_or_path)!r}: {err}"
-            ) from err
         source = str(pretrained_model_name_or_path)
         if info["missing_keys"]:
             missing = ", ".join(sorted(info["missing_keys"]))

@@ -1,0 +1,179 @@
+"""Memory over one long generation on the built-in pair (issue 14, "done when").
+
+    python benchmarks/long_generation.py [--max-new-tokens 10000] [--method caddtree]
+                                         [--budget 32] [--dtype bfloat16] [--json]
+
+Loads the built-in pair (SmolLM2-135M-Instruct and its shipped drafter, resolved as the CLI
+resolves them, in bfloat16 unless ``--dtype``), warms it up with a short untimed generation, then
+generates ``--max-new-tokens`` tokens (EOS ignored, so the output has that length) and reports the
+process's resident memory (RSS, from /proc: Linux only):
+
+* ``before``: after loading and the warm-up;
+* ``peak``: the highest RSS sampled every 10 ms during the call;
+* ``after``: right after the call returns, and again after ``gc.collect()`` and glibc's
+  ``malloc_trim(0)`` (freed memory the allocator kept for reuse is not a leak);
+
+and compares the growth with the KV cache the call needs: bytes per token of the target
+(``2 x layers x kv_heads x head_dim x dtype bytes``, keys and values) and of the drafter (its own
+context cache), times the tokens in the context at the end. It says whether memory returned to its
+level (within ``--tolerance`` MiB of ``before``).
+
+The target's window (``max_position_embeddings``: 8192 for SmolLM2-135M) bounds the context: a
+``--max-new-tokens`` beyond ``window - prompt`` is lowered to fit, with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+PROMPT = "Write a long, detailed story about a lighthouse keeper and the sea, chapter by chapter."
+MiB = 2**20
+
+
+def rss_bytes() -> int:
+    """The process's resident set size, from /proc/self/statm."""
+    with open("/proc/self/statm", encoding="ascii") as fh:
+        pages = int(fh.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakSampler:
+    """Samples RSS every ``interval`` seconds in a thread, keeping the highest value."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval, self.peak = interval, rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Keys and values of one token in every layer of a model with this config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * int(text.num_hidden_layers) * int(heads) * int(head_dim) * element
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and ask glibc to hand freed heap memory back to the system."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-new-tokens", type=int, default=10000)
+    parser.add_argument("--method", default="caddtree", help="ar, dflash, ddtree or caddtree")
+    parser.add_argument("--budget", type=int, default=32, help="node budget for --method ddtree")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tolerance", type=float, default=32.0, help="MiB (default 32)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+
+    from caddtree.api import SpeculativeGenerator, dtype_name
+    from caddtree.defaults import resolve_model_pair
+
+    target, draft, dtype = resolve_model_pair(None, None, args.dtype)
+    gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device=args.device)
+    if args.method == "caddtree":
+        gen.cost_model = gen.cached_cost_model()
+    budget = args.budget if args.method == "ddtree" else None
+    prompt_ids = gen.encode(PROMPT)
+    window = gen.verifier.max_positions
+    tokens = args.max_new_tokens
+    note = None
+    if window is not None and len(prompt_ids) + tokens > window:
+        tokens = window - len(prompt_ids)
+        note = (
+            f"--max-new-tokens {args.max_new_tokens} does not fit the target's window of {window} "
+            f"positions after a {len(prompt_ids)}-token prompt; generating {tokens} instead"
+        )
+        print(f"note: {note}", file=sys.stderr)
+
+    run = {"method": args.method, "budget": budget, "stop_token_ids": ()}
+    gen.generate(prompt_ids, max_new_tokens=64, **run)  # warm-up: allocator, lazy init
+    release_freed_memory()
+    before = rss_bytes()
+    start = time.perf_counter()
+    with PeakSampler() as sampler:
+        result = gen.generate(prompt_ids, max_new_tokens=tokens, **run)
+    seconds = time.perf_counter() - start
+    after = rss_bytes()
+    release_freed_memory()
+    after_release = rss_bytes()
+
+    torch_dtype = gen.verifier.dtype
+    target_kv = kv_bytes_per_token(gen.target.config, torch_dtype)
+    drafter_kv = kv_bytes_per_token(gen.drafter.config, torch_dtype) if gen.drafter else 0
+    context = len(prompt_ids) + len(result.token_ids)
+    expected = (target_kv + drafter_kv) * context
+    returned = after_release - before <= args.tolerance * MiB
+    report = {
+        "method": args.method,
+        "dtype": dtype_name(torch_dtype),
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(result.token_ids),
+        "seconds": round(seconds, 1),
+        "ms_per_token": round(result.stats.ms_per_token, 2),
+        "tau": round(result.stats.tau, 3),
+        "rss_before_mib": round(before / MiB, 1),
+        "rss_peak_mib": round(sampler.peak / MiB, 1),
+        "rss_after_mib": round(after / MiB, 1),
+        "rss_after_release_mib": round(after_release / MiB, 1),
+        "peak_growth_mib": round((sampler.peak - before) / MiB, 1),
+        "kv_bytes_per_token": {"target": target_kv, "drafter": drafter_kv},
+        "expected_kv_mib_at_end": round(expected / MiB, 1),
+        "returned_to_level": returned,
+        "note": note,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0 if returned else 1
+    print(
+        f"{report['new_tokens']} tokens with {args.method} in {report['dtype']} "
+        f"({report['seconds']} s, {report['ms_per_token']} ms/token, tau {report['tau']})"
+    )
+    print(
+        f"KV cache per token: target {target_kv} B ({target_kv / 1024:.1f} KiB), drafter "
+        f"{drafter_kv} B; at {context} tokens of context: {report['expected_kv_mib_at_end']} MiB"
+    )
+    print(
+        f"RSS: before {report['rss_before_mib']} MiB, peak {report['rss_peak_mib']} MiB "
+        f"(+{report['peak_growth_mib']} MiB), after {report['rss_after_mib']} MiB, after "
+        f"gc + malloc_trim {report['rss_after_release_mib']} MiB"
+    )
+    verdict = "returned to its level" if returned else "did NOT return to its level"
+    print(f"memory {verdict} (tolerance {args.tolerance:g} MiB)")
+    return 0 if returned else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
