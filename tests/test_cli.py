@@ -221,6 +221,20 @@ def test_train_drafter_names_the_bad_line_of_a_prompt_file(capsys, tmp_path):
     assert "Traceback" not in err and "line 2" in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--code", "10000000"], "more code prompts than this Python's standard library gives"),
+        (["--math", "-1"], "--math must be a non-negative integer"),
+    ],
+)
+def test_train_drafter_prompt_counts_are_checked_first(capsys, tmp_path, extra, message):
+    argv = ["train-drafter", "--output", str(tmp_path / "run"), "--target", str(tmp_path / "no")]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "run").exists()
+
+
 # ---- --compare-ar: warm-up, and the fastest AR as the baseline ------------------------------------
 
 import torch  # noqa: E402

@@ -414,6 +414,19 @@ def _train_drafter(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--magpie must be a non-negative integer, got {args.magpie}")
     if args.max_prompts is not None and args.max_prompts < 1:
         raise InvalidInputError(f"--max-prompts must be a positive integer, got {args.max_prompts}")
+    for flag, count in (
+        ("--sharegpt", args.sharegpt),
+        ("--code", args.code),
+        ("--math", args.math),
+    ):
+        if count < 0:
+            raise InvalidInputError(f"{flag} must be a non-negative integer, got {count}")
+    if args.code > len(prompt_data.stdlib_code_prompts()):
+        raise InvalidInputError(
+            f"--code {args.code} asks for more code prompts than this Python's standard library "
+            f"gives ({len(prompt_data.stdlib_code_prompts())}); use at most that many, or add "
+            "prompts of your own with --prompts"
+        )
 
     config = TrainConfig(
         block_size=args.block_size,
