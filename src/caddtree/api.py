@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
+from .checks import check_int
 from .cost import CostModel, load_cost_model
 from .decoding import GenerationStats, RoundStats, Sampler, decode, make_policy
 from .errors import CaddtreeError, CheckpointError, InvalidInputError
@@ -174,10 +175,6 @@ def prefix_count(depth: int, vocab: int, cap: int = MAX_TREE_NODES) -> int:
     return min(total, cap + 1)
 
 
-def _positive_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 1
-
-
 def check_tree_budgets(
     method: str,
     budget: Any,
@@ -210,14 +207,12 @@ def check_tree_budgets(
                 f"over {vocab} tokens can hold"
             )
     if method == "ddtree" and budget is not None:
-        if not _positive_int(budget):
-            raise InvalidInputError(f"{names[0]} must be a positive integer, got {budget!r}")
+        check_int(names[0], budget)
         if budget > holds:
             raise InvalidInputError(f"{names[0]} {budget} is above {why}; use at most {holds}")
     if method != "caddtree":
         return max_budget
-    if not _positive_int(max_budget):
-        raise InvalidInputError(f"{names[1]} must be a positive integer, got {max_budget!r}")
+    check_int(names[1], max_budget)
     if max_budget > MAX_TREE_NODES:
         raise InvalidInputError(
             f"{names[1]} {max_budget} is above the limit of {MAX_TREE_NODES} nodes per tree "
@@ -881,8 +876,7 @@ def explain_divergence(
     ar, other = [int(t) for t in ar_ids], [int(t) for t in method_ids]
     if not prompt:
         raise InvalidInputError("the prompt is empty; give at least one token")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise InvalidInputError(f"window must be a positive integer, got {window!r}")
+    check_int("window", window)
     if ar == other:
         return None
     position = next(

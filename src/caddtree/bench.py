@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checks import check_int
 from .errors import InvalidInputError
 from .files import atomic_write_text
 
@@ -229,8 +230,7 @@ class BenchConfig:
             ("max_new_tokens", self.max_new_tokens),
             ("max_budget", self.max_budget),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, value)
 
 
 # ---- files ----------------------------------------------------------------------------------------
@@ -944,8 +944,7 @@ def cli_main(args: Any) -> int:
     from .cost import load_cost_model
     from .data import load_benchmark
 
-    if args.max_samples is not None and args.max_samples < 1:
-        raise InvalidInputError(f"--max-samples must be a positive integer, got {args.max_samples}")
+    check_int("--max-samples", args.max_samples, allow_none=True)
     methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
     specs = parse_methods(methods, args.budgets, args.ablations)
     if args.target is None and args.draft is not None:  # cheap checks before any data or model

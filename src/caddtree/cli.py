@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from .checks import check_int
 from .errors import CaddtreeError, InvalidInputError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -126,10 +127,7 @@ def _generate(args: argparse.Namespace) -> int:
     check_tree_budgets(
         args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
     )
-    if args.max_new_tokens <= 0:
-        raise InvalidInputError(
-            f"max_new_tokens must be a positive integer, got {args.max_new_tokens}"
-        )
+    check_int("max_new_tokens", args.max_new_tokens)
     make_sampler(args.temperature, args.top_p, args.seed)
     resolve_dtype(args.dtype, torch.device("cpu"))
     if args.cost_model is not None:
@@ -408,19 +406,15 @@ def _train_drafter(args: argparse.Namespace) -> int:
     from .api import eos_token_ids, resolve_dtype
     from .train import TrainConfig, prepare_data, train_drafter
 
-    if args.stop_after is not None and args.stop_after < 1:
-        raise InvalidInputError(f"--stop-after must be a positive integer, got {args.stop_after}")
-    if args.magpie < 0:
-        raise InvalidInputError(f"--magpie must be a non-negative integer, got {args.magpie}")
-    if args.max_prompts is not None and args.max_prompts < 1:
-        raise InvalidInputError(f"--max-prompts must be a positive integer, got {args.max_prompts}")
+    check_int("--stop-after", args.stop_after, allow_none=True)
+    check_int("--max-prompts", args.max_prompts, allow_none=True)
     for flag, count in (
         ("--sharegpt", args.sharegpt),
         ("--code", args.code),
         ("--math", args.math),
+        ("--magpie", args.magpie),
     ):
-        if count < 0:
-            raise InvalidInputError(f"{flag} must be a non-negative integer, got {count}")
+        check_int(flag, count, minimum=0)
     if args.code > len(prompt_data.stdlib_code_prompts()):
         raise InvalidInputError(
             f"--code {args.code} asks for more code prompts than this Python's standard library "

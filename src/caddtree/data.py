@@ -50,6 +50,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .checks import check_int, is_int
 from .defaults import locate_package
 from .errors import CaddtreeError, InvalidInputError, MissingDependencyError
 
@@ -415,12 +416,7 @@ def load_benchmark(
     the hub for the rest. ``max_samples`` keeps the first that many.
     """
     key = _canonical(name)
-    if max_samples is not None and (
-        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
-    ):
-        raise InvalidInputError(
-            f"max_samples must be a positive integer or None, got {max_samples!r}"
-        )
+    check_int("max_samples", max_samples, allow_none=True)
     if source not in ("auto", "offline", "hub"):
         raise InvalidInputError(f"source must be 'auto', 'offline' or 'hub', got {source!r}")
     if source == "hub" or (source == "auto" and key not in _OFFLINE):
@@ -677,9 +673,8 @@ def build_training_prompts(
     ``benchmark_index`` replace the built-in sources and the benchmark index (for tests and for
     other corpora).
     """
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InvalidInputError(f"limit must be a positive integer or None, got {limit!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    check_int("limit", limit, allow_none=True)
+    if not is_int(seed):
         raise InvalidInputError(f"seed must be an integer, got {seed!r}")
     if sources is None:
         sources = {

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .checks import check_int
 from .errors import InvalidInputError
 from .tree import DraftTree, build_caddtree, build_chain, build_ddtree
 
@@ -161,8 +162,7 @@ def make_policy(
     if method == "ddtree":
         if budget is None:
             raise InvalidInputError("method 'ddtree' needs a node budget (e.g. budget=64)")
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
-            raise InvalidInputError(f"the ddtree budget must be a positive integer, got {budget!r}")
+        check_int("the ddtree budget", budget)
         return Budget(int(budget))
     if budget is not None:
         raise InvalidInputError(f"a node budget only applies to method 'ddtree', not {method!r}")
@@ -172,13 +172,7 @@ def make_policy(
                 "method 'caddtree' needs a cost model: pass cost_model= (a CostModel or a file from "
                 "`caddtree profile` / ConvexCostModel.fit(...).save())"
             )
-        if (
-            isinstance(max_budget, bool)
-            or not isinstance(max_budget, (int, np.integer))
-            or max_budget < 1
-        ):
-            raise InvalidInputError(f"max_budget must be a positive integer, got {max_budget!r}")
-        return CostAware(cost_model, int(max_budget))
+        return CostAware(cost_model, check_int("max_budget", max_budget))
     return Chain() if method == "dflash" else NoTree()
 
 
@@ -394,14 +388,7 @@ def _checked_prompt(
     max_new_tokens: Any,
 ) -> list[int]:
     """``prompt_ids`` as a list of ints, once the arguments of :func:`decode` are known to fit."""
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, (int, np.integer))
-        or max_new_tokens <= 0
-    ):
-        raise InvalidInputError(
-            f"max_new_tokens must be a positive integer, got {max_new_tokens!r}"
-        )
+    check_int("max_new_tokens", max_new_tokens)
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise InvalidInputError("the prompt is empty; give at least one token")

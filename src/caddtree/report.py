@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from .checks import is_int, is_number
 from .errors import CaddtreeError, InvalidInputError, MissingDependencyError
 from .files import atomic_write_text
 from .plots import pyplot, save_figure
@@ -204,14 +205,6 @@ def _read_jsonl(
     return rows
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _validate_record(rec: dict[str, Any], where: str) -> None:
     missing = [k for k in REQUIRED_KEYS if k not in rec]
     if missing:
@@ -227,16 +220,16 @@ def _validate_record(rec: dict[str, Any], where: str) -> None:
         if not isinstance(rec[key], str) or not rec[key]:
             raise bad(key, "a non-empty string")
     for key in ("prompt_index", "rounds", "new_tokens"):
-        if not _is_int(rec[key]) or rec[key] < 0:
+        if not is_int(rec[key]) or rec[key] < 0:
             raise bad(key, "a non-negative integer")
-    if not _is_number(rec["temperature"]) or not rec["temperature"] >= 0:
+    if not is_number(rec["temperature"]) or not rec["temperature"] >= 0:
         raise bad("temperature", "a number >= 0")
     ms = rec["ms_per_token"]  # null: the prompt generated no tokens (see aggregate)
-    if ms is not None and (not _is_number(ms) or not (math.isfinite(ms) and ms > 0)):
+    if ms is not None and (not is_number(ms) or not (math.isfinite(ms) and ms > 0)):
         raise bad("ms_per_token", "null or a positive finite number")
-    if rec["tau"] is not None and not _is_number(rec["tau"]):
+    if rec["tau"] is not None and not is_number(rec["tau"]):
         raise bad("tau", "null or a number")
-    if rec["budget"] is not None and (not _is_int(rec["budget"]) or rec["budget"] < 0):
+    if rec["budget"] is not None and (not is_int(rec["budget"]) or rec["budget"] < 0):
         raise bad("budget", "null or a non-negative integer")
     if rec["family"] == "ddtree" and (rec["budget"] is None or rec["budget"] < 1):
         raise bad("budget", "a positive integer for a DDTree record")
@@ -252,11 +245,11 @@ def _validate_record(rec: dict[str, Any], where: str) -> None:
         if not isinstance(value, list) or len(value) != rounds:
             raise bad(key, f"a list with one entry per round ({rounds} rounds)")
         if key == "confidence":
-            ok = all(v is None or _is_number(v) for v in value)
+            ok = all(v is None or is_number(v) for v in value)
         elif key == "paths":
-            ok = all(isinstance(p, list) and all(_is_int(i) and i >= 0 for i in p) for p in value)
+            ok = all(isinstance(p, list) and all(is_int(i) and i >= 0 for i in p) for p in value)
         else:
-            ok = all(_is_int(v) and v >= 0 for v in value)
+            ok = all(is_int(v) and v >= 0 for v in value)
         if not ok:
             raise bad(key, "a list of valid per-round values")
     matches = rec.get("matches_ar")
@@ -333,13 +326,13 @@ def load_trees(
                 f"{where}: tree record is missing keys {', '.join(map(repr, missing))}"
             )
         for key in ("prompt_index", "round", "budget"):
-            if not _is_int(rec[key]) or rec[key] < 0:
+            if not is_int(rec[key]) or rec[key] < 0:
                 raise InvalidInputError(f"{where}: {key!r} must be a non-negative integer")
-        if not _is_number(rec["temperature"]):
+        if not is_number(rec["temperature"]):
             raise InvalidInputError(f"{where}: 'temperature' must be a number")
         parents = rec["parents"]
         n = len(parents) if isinstance(parents, list) else -1
-        if n < 0 or not all(_is_int(p) and -1 <= p < i for i, p in enumerate(parents)):
+        if n < 0 or not all(is_int(p) and -1 <= p < i for i, p in enumerate(parents)):
             raise InvalidInputError(
                 f"{where}: 'parents' must be a list with each node's parent index (-1 for the "
                 "root), parents listed before their children"
@@ -347,10 +340,10 @@ def load_trees(
         for key in ("token_texts", "ranks", "depths", "token_ids"):
             if rec.get(key) is not None and (not isinstance(rec[key], list) or len(rec[key]) != n):
                 raise InvalidInputError(f"{where}: {key!r} must have one entry per node ({n})")
-        if rec.get("ranks") is not None and not all(_is_int(r) and r >= 0 for r in rec["ranks"]):
+        if rec.get("ranks") is not None and not all(is_int(r) and r >= 0 for r in rec["ranks"]):
             raise InvalidInputError(f"{where}: 'ranks' must be non-negative integers")
         accepted = rec.get("path") or []
-        if not isinstance(accepted, list) or not all(_is_int(i) and 0 <= i < n for i in accepted):
+        if not isinstance(accepted, list) or not all(is_int(i) and 0 <= i < n for i in accepted):
             raise InvalidInputError(f"{where}: 'path' must list accepted node indices below {n}")
         previous = -1
         for i in accepted:

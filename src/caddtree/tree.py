@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .checks import check_int
 from .errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,8 +118,7 @@ def topk_log_probs(draft_logits: Any, k: int) -> TopK:
     """
     if isinstance(draft_logits, TopK):
         return draft_logits
-    if not isinstance(k, (int, np.integer)) or k < 1:
-        raise InvalidInputError(f"k must be a positive integer, got {k!r}")
+    k = check_int("k", k)
     if _is_torch_tensor(draft_logits):
         import torch
 
@@ -530,12 +530,6 @@ _HEAP_ENTRY = np.dtype(
 )
 
 
-def _check_budget(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise InvalidInputError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
 def build_ddtree(draft_logits: Any, budget: int) -> DraftTree:
     """DDTree: the ``budget`` prefixes with the largest prefix probability (Eq. phistar).
 
@@ -543,7 +537,7 @@ def build_ddtree(draft_logits: Any, budget: int) -> DraftTree:
     best-first and is prefix-closed. If fewer than ``budget`` prefixes exist (tiny vocabularies, or a
     :class:`TopK` with few candidates), the tree holds all of them.
     """
-    budget = _check_budget("budget", budget)
+    budget = check_int("budget", budget, minimum=0)
     return _expand(_Candidates(draft_logits), budget)
 
 
@@ -569,8 +563,8 @@ def build_caddtree(
     ``context_length`` is the number of tokens already in the target's KV cache when the tree is
     verified; it selects the verification-cost curve.
     """
-    max_budget = _check_budget("max_budget", max_budget)
-    context_length = _check_budget("context_length", context_length)
+    max_budget = check_int("max_budget", max_budget, minimum=0)
+    context_length = check_int("context_length", context_length, minimum=0)
     denominators = cost_model.round_cost_table(context_length, max_budget)
     return _expand(_Candidates(draft_logits), max_budget, denominators.tolist())
 
@@ -583,7 +577,7 @@ def surrogate_throughput(
     Meant for analysis and tests; :func:`build_caddtree` never evaluates the whole curve.
     Entries past the number of existing prefixes repeat the last ``phi*``.
     """
-    max_budget = _check_budget("max_budget", max_budget)
+    max_budget = check_int("max_budget", max_budget, minimum=0)
     tree = build_ddtree(draft_logits, max_budget)
     phi = np.concatenate(([0.0], np.cumsum(np.exp(tree.log_probs))))
     if phi.shape[0] < max_budget + 1:

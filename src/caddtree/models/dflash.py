@@ -63,6 +63,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from ..checks import is_int
 from ..errors import CheckpointError, InvalidInputError
 from .target import check_model_location, checkpoint_errors, compact_cache
 
@@ -149,26 +150,26 @@ class DFlashSettings:
             layer_ids = default_target_layer_ids(
                 int(num_target_layers), int(config.num_hidden_layers)
             )
-        if not _is_int(block_size) or block_size < 2:
+        if not is_int(block_size) or block_size < 2:
             raise CheckpointError(f"block_size must be an integer >= 2, got {block_size!r}")
-        if not _is_int(mask_token_id) or mask_token_id < 0:
+        if not is_int(mask_token_id) or mask_token_id < 0:
             raise CheckpointError(
                 f"mask_token_id must be a non-negative integer, got {mask_token_id!r}"
             )
         if (
             not isinstance(layer_ids, (list, tuple))
             or not layer_ids
-            or not all(_is_int(i) and i >= 0 for i in layer_ids)
+            or not all(is_int(i) and i >= 0 for i in layer_ids)
         ):
             raise CheckpointError(
                 f"target_layer_ids must be a non-empty list of layer indices, got {layer_ids!r}"
             )
-        if num_target_layers is not None and not _is_int(num_target_layers):
+        if num_target_layers is not None and not is_int(num_target_layers):
             raise CheckpointError(
                 f"num_target_layers must be an integer, got {num_target_layers!r}"
             )
         draft_vocab = getattr(config, "draft_vocab_size", None)
-        if draft_vocab is not None and (not _is_int(draft_vocab) or draft_vocab < 1):
+        if draft_vocab is not None and (not is_int(draft_vocab) or draft_vocab < 1):
             raise CheckpointError(
                 f"draft_vocab_size must be a positive integer, got {draft_vocab!r}"
             )
@@ -179,10 +180,6 @@ class DFlashSettings:
             num_target_layers=None if num_target_layers is None else int(num_target_layers),
             draft_vocab_size=draft_vocab,
         )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # config.json fields that size the drafter's layers (head_dim may be absent: hidden / heads)
@@ -333,7 +330,7 @@ class DFlashDraftModel(PreTrainedModel):
             )
         for field in _SIZE_FIELDS:
             value = getattr(config, field, None)
-            if not (_is_int(value) and value >= 1) and not (field == "head_dim" and value is None):
+            if not (is_int(value) and value >= 1) and not (field == "head_dim" and value is None):
                 raise CheckpointError(f"{field} must be a positive integer, got {value!r}")
         if config.num_attention_heads % config.num_key_value_heads:
             raise CheckpointError(
@@ -625,7 +622,7 @@ class DraftLogits:
     ) -> None:
         if hidden.ndim != 2:
             raise InvalidInputError(f"hidden states must be [L, H], got {tuple(hidden.shape)}")
-        if any(not _is_int(k) or k < 1 for k in steps):
+        if any(not is_int(k) or k < 1 for k in steps):
             raise InvalidInputError(f"projection steps must be positive integers, got {steps!r}")
         self.hidden, self.head, self.steps = hidden, head, tuple(steps)
         out_features = getattr(head, "out_features", None) or head.weight.shape[0]
@@ -739,7 +736,7 @@ class DFlashProposer:
 
     def crop(self, context_length: int) -> None:
         """Keep only the first ``context_length`` cached context tokens."""
-        if not _is_int(context_length) or not 0 <= context_length <= self._context_length:
+        if not is_int(context_length) or not 0 <= context_length <= self._context_length:
             raise InvalidInputError(
                 f"cannot crop the drafter's context of {self._context_length} tokens "
                 f"to {context_length!r}"
