@@ -7,14 +7,13 @@ and say what it must be, so a caller can fix the call without reading the code.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from .errors import CaddtreeError, InvalidInputError
 
-__all__ = ["check_int", "check_positive_number", "is_int", "is_number"]
+__all__ = ["check_int", "is_int", "is_number"]
 
 
 def is_int(value: Any) -> bool:
@@ -51,12 +50,3 @@ def check_int(
         or_none = " or None" if allow_none else ""
         raise error(f"{name} must be {_describe(minimum)}{or_none}, got {value!r}")
     return int(value)
-
-
-def check_positive_number(
-    name: str, value: Any, *, error: type[CaddtreeError] = InvalidInputError
-) -> float:
-    """``value`` as a ``float`` if it is a finite number above 0, else ``error`` naming ``name``."""
-    if not is_number(value) or not (math.isfinite(value) and value > 0):
-        raise error(f"{name} must be a positive, finite number, got {value!r}")
-    return float(value)
