@@ -1,19 +1,39 @@
-"""The one home of the library's argument checks on numbers.
+"""The one home of the library's argument checks, run before any model work.
 
 ``True`` is an ``int`` to Python and NumPy integers are not, so "is this an integer" is easy to get
 wrong in a one-line check; every module asks here instead. The error messages name the argument
-and say what it must be, so a caller can fix the call without reading the code.
+and say what it must be, so a caller can fix the call without reading the code. The checks of a
+generation's arguments (tree budgets, sampling, prompt text and token ids) are here too, so that
+`caddtree generate` can run them before it imports torch or loads a model: this module imports
+neither.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import CaddtreeError, InvalidInputError
 
-__all__ = ["check_int", "is_int", "is_number"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .decoding import Sampler
+
+__all__ = [
+    "MAX_TREE_NODES",
+    "MIN_TEMPERATURE",
+    "check_int",
+    "check_text",
+    "check_tree_budgets",
+    "is_int",
+    "is_number",
+    "make_sampler",
+    "prefix_count",
+    "token_ids",
+]
 
 
 def is_int(value: Any) -> bool:
@@ -50,3 +70,183 @@ def check_int(
         or_none = " or None" if allow_none else ""
         raise error(f"{name} must be {_describe(minimum)}{or_none}, got {value!r}")
     return int(value)
+
+
+# ---- the arguments of a generation ---------------------------------------------------------------
+
+MAX_TREE_NODES = 4096
+"""The largest draft tree a round may verify (``budget`` of DDTree, ``max_budget`` of CaDDTree):
+4096 nodes, the profiling limit and 4x the paper's largest tree. Verifying ``n`` nodes builds an
+``n x n`` tree-attention mask and appends ``n`` entries to every layer's KV cache, so a typo such as
+``budget=1000000`` would otherwise ask for hundreds of GiB."""
+
+MIN_TEMPERATURE = 1e-6
+"""The smallest sampling temperature above 0. Sampling divides the logits by the temperature; far
+below this, the scaled logits overflow to infinity (``1e-320`` gives NaN probabilities) while the
+distribution is already greedy decoding's, so use ``temperature=0`` for that."""
+
+
+def prefix_count(depth: int, vocab: int, cap: int = MAX_TREE_NODES) -> int:
+    """How many distinct draft prefixes (tree nodes) ``depth`` positions over ``vocab`` tokens
+    allow, ``vocab + vocab**2 + ... + vocab**depth``, counted only up to ``cap + 1``."""
+    total, level = 0, 1
+    for _ in range(max(int(depth), 0)):
+        level *= max(int(vocab), 0)
+        total += level
+        if total > cap or level == 0:
+            break
+    return min(total, cap + 1)
+
+
+def check_tree_budgets(
+    method: str,
+    budget: Any,
+    max_budget: Any,
+    *,
+    block_size: int | None = None,
+    vocab: int | None = None,
+    names: tuple[str, str] = ("budget", "max_budget"),
+) -> int:
+    """Check the tree size arguments of ``method`` and return the ``max_budget`` to use.
+
+    A tree holds at most :data:`MAX_TREE_NODES` nodes, and no more than the distinct prefixes the
+    drafter's block allows (:func:`prefix_count` of ``block_size - 1`` positions over the
+    ``vocab`` tokens it scores, when both are given). A DDTree ``budget`` beyond either is refused
+    (it asks for a tree that cannot be built); a CaDDTree ``max_budget`` is a ceiling, refused
+    beyond :data:`MAX_TREE_NODES` and lowered to the prefix count. ``names`` are the argument
+    names used in messages (``("--budget", "--max-budget")`` for the command line). Arguments of
+    other methods are left to :func:`caddtree.decoding.make_policy`.
+    """
+    holds = MAX_TREE_NODES
+    why = (
+        f"the limit of {MAX_TREE_NODES} nodes per tree (MAX_TREE_NODES; the paper uses up to 1024)"
+    )
+    if block_size is not None and vocab is not None:
+        room = prefix_count(block_size - 1, vocab)
+        if room < holds:
+            holds = room
+            why = (
+                f"the {room} distinct prefixes the drafter's block of {block_size} positions "
+                f"over {vocab} tokens can hold"
+            )
+    if method == "ddtree" and budget is not None:
+        check_int(names[0], budget)
+        if budget > holds:
+            raise InvalidInputError(f"{names[0]} {budget} is above {why}; use at most {holds}")
+    if method != "caddtree":
+        return max_budget
+    check_int(names[1], max_budget)
+    if max_budget > MAX_TREE_NODES:
+        raise InvalidInputError(
+            f"{names[1]} {max_budget} is above the limit of {MAX_TREE_NODES} nodes per tree "
+            f"(MAX_TREE_NODES; the paper uses up to 1024); use at most {MAX_TREE_NODES}"
+        )
+    return int(min(max_budget, holds))
+
+
+def make_sampler(
+    temperature: Any = 0.0,
+    top_p: Any = 1.0,
+    seed: Any = None,
+    device: torch.device | str = "cpu",
+) -> Sampler:
+    """A :class:`~caddtree.decoding.Sampler`, after the checks it leaves out: a temperature above
+    0 but below :data:`MIN_TEMPERATURE`, and a seed that is not an integer in ``[0, 2**64)``."""
+    if isinstance(temperature, bool) or isinstance(top_p, bool):
+        raise InvalidInputError("temperature and top_p are numbers, not True/False")
+    if isinstance(temperature, (int, float)) and 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidInputError(
+            f"temperature {temperature!r} is too small to sample with (the scaled logits "
+            f"overflow); use 0 for greedy decoding or at least {MIN_TEMPERATURE:g}"
+        )
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64
+    ):
+        raise InvalidInputError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    from .decoding import Sampler
+
+    return Sampler(temperature, top_p, None if seed is None else int(seed), device=device)
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """Return ``text`` when it can be encoded as UTF-8. Python keeps bytes that are not UTF-8 (a
+    command-line argument in Latin-1, say) as lone surrogates, which tokenizers cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, kept by surrogateescape
+            found = f"byte 0x{code - 0xDC00:02x} at character {exc.start}"
+        else:
+            found = f"the lone surrogate U+{code:04X} at character {exc.start}"
+        raise InvalidInputError(
+            f"{what} is not valid UTF-8 text ({found}); give it in UTF-8 (check the terminal's "
+            "or the file's encoding)"
+        ) from None
+    return text
+
+
+def token_ids(ids: Any, vocab_size: int, what: str = "token ids") -> list[int]:
+    """Token ids as a list of ints: from a list or tuple of integers, or a 1-D integer torch
+    tensor or numpy array. Refuses bytes, floats, booleans, nested lists and ids outside
+    ``[0, vocab_size)`` with an :class:`InvalidInputError` naming ``what`` and the problem."""
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(
+            f"{what} given as bytes are ambiguous: decode bytes to str for text, or pass token ids "
+            "as a list of ints"
+        )
+    torch = sys.modules.get("torch")  # a tensor can only come from a torch already imported
+    tensor_types = (torch.Tensor,) if torch is not None else ()
+    if isinstance(ids, (*tensor_types, np.ndarray)):
+        integer = (
+            not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+            if isinstance(ids, tensor_types)
+            else ids.dtype.kind in "iu"
+        )
+        kind = type(ids).__name__
+        if not integer:
+            raise InvalidInputError(f"{what} must be integers, got a {kind} of {ids.dtype}")
+        if ids.ndim != 1:
+            raise InvalidInputError(
+                f"{what} must be 1-D, got a {kind} of shape {tuple(ids.shape)} (for a batch of "
+                "one, pass ids[0])"
+            )
+        out = [int(t) for t in ids.tolist()]
+    elif isinstance(ids, (list, tuple)):
+        for t in ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise InvalidInputError(
+                    f"{what} must be integers, got {t!r} ({type(t).__name__}) in the list"
+                )
+        out = [int(t) for t in ids]
+    else:
+        raise InvalidInputError(
+            f"{what} must be a list of ints or a 1-D integer tensor or array, got a value of type "
+            f"{type(ids).__name__}"
+        )
+    bad = [t for t in out if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidInputError(
+            f"token id {bad[0]} is outside the vocabulary of {vocab_size} tokens"
+        )
+    return out
+
+
+def _chat_messages(prompt: Any) -> list[dict[str, str]] | None:
+    """``prompt`` as a list of chat messages when it is one (every item a dict), else ``None``;
+    messages without a string ``role`` and ``content`` are refused."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return None
+    dicts = [isinstance(m, dict) for m in prompt]
+    if not any(dicts):
+        return None
+    if not all(dicts):
+        raise InvalidInputError("a prompt mixes chat messages (dicts) with other items")
+    for i, message in enumerate(prompt):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidInputError(
+                f'chat message {i} needs a string "role" and a string "content", got {message!r}'
+            )
+        check_text(content, f"chat message {i}")
+    return list(prompt)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import MAX_TREE_NODES
 from .cost import ConvexCostModel, CostModel
 from .errors import InvalidInputError
 from .tree import DraftTree, build_ddtree
@@ -59,7 +60,7 @@ QUICK_CONTEXT_LENGTHS = (0, 512, 1024)
 QUICK_NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 """``caddtree profile --quick``: a grid that takes about a minute for a small model on a CPU."""
 
-MAX_NODE_COUNT = 4096
+MAX_NODE_COUNT = MAX_TREE_NODES  # the largest tree a round may verify (caddtree.checks)
 """The largest tree profiled: 4x the paper's largest. The attention over ``n`` tree nodes after
 ``l`` context tokens is ``n x (l + n)`` per head, so a typo like 100000 would exhaust memory."""
 
