@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from caddtree import data, defaults
+from caddtree import data, defaults, files
 from caddtree.errors import CaddtreeError, CheckpointError, InvalidInputError
 
 # ---- cache location -----------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_atomic_directory_removes_stale_builds_only(tmp_path):
     fresh = tmp_path / f".{final.name}.tmp-5678-busy"  # another process converting right now
     for path in (stale, fresh):
         path.mkdir()
-    old = time.time() - 2 * defaults._STALE_BUILD_SECONDS
+    old = time.time() - 2 * files.STALE_BUILD_SECONDS
     os.utime(stale, (old, old))
     defaults.atomic_directory(final, lambda tmp: (tmp / "x").write_text("x"))
     assert not stale.exists() and fresh.exists() and (final / "x").is_file()

@@ -27,7 +27,6 @@ The built-in DFlash drafter for this target ships inside the caddtree package
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -36,12 +35,11 @@ import os
 import shutil
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .errors import CaddtreeError, CheckpointError, InvalidInputError, MissingDependencyError
+from .files import atomic_directory
 
 __all__ = [
     "DEFAULT_DRAFTER_NAME",
@@ -72,7 +70,6 @@ CACHE_FORMAT_VERSION = 1
 CACHE_MARKER = "caddtree-cache.json"  # written last: a directory with it is complete
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 # A temporary build directory older than this belongs to a conversion that was killed.
-_STALE_BUILD_SECONDS = 6 * 3600
 
 
 # ---- locations ----------------------------------------------------------------------------------
@@ -182,83 +179,6 @@ def _is_complete(path: Path, key: str | None = None) -> bool:
 
 
 # ---- atomic build -------------------------------------------------------------------------------
-
-
-def _build_prefix(final: Path) -> str:
-    return f".{final.name}.tmp-"
-
-
-@contextlib.contextmanager
-def _lock(final: Path) -> Iterator[None]:
-    """Hold an exclusive lock for building ``final`` (POSIX; elsewhere no lock, only the atomic
-    rename protects the cache), so two processes do not both spend time converting."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(final.parent / f".{final.name}.lock", "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _remove_stale_builds(final: Path) -> None:
-    cutoff = time.time() - _STALE_BUILD_SECONDS
-    for path in final.parent.glob(_build_prefix(final) + "*"):
-        with contextlib.suppress(OSError):
-            if path.stat().st_mtime < cutoff:
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def atomic_directory(
-    final: str | os.PathLike[str],
-    build: Callable[[Path], None],
-    *,
-    is_complete: Callable[[Path], bool] | None = None,
-) -> Path:
-    """Create directory ``final`` by calling ``build(tmp)`` on a fresh sibling directory ``tmp``
-    and renaming it to ``final`` only when ``build`` returns.
-
-    If ``build`` raises (or the process dies), ``final`` does not appear: the partial directory is
-    removed (a killed build's leftover is removed by a later call once it is hours old). If
-    ``final`` is already complete (``is_complete``, default: it exists), nothing is built. When
-    another process finishes first, its directory is kept and ours discarded.
-    """
-    final = Path(final)
-    complete = is_complete or Path.is_dir
-    if complete(final):
-        return final
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CaddtreeError(
-            f"cannot create the cache directory {final.parent}: {exc.strerror or exc}. Set "
-            "CADDTREE_CACHE to a writable directory."
-        ) from None
-    with _lock(final):
-        if complete(final):  # built by another process while we waited
-            return final
-        _remove_stale_builds(final)
-        if final.exists():  # an incomplete directory under the final name (not made by us)
-            shutil.rmtree(final)
-        # os.mkdir honours the umask (tempfile.mkdtemp would make it private to this user)
-        tmp = final.parent / f"{_build_prefix(final)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            build(tmp)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not complete(final):
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
 
 
 # ---- conversion ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Writing files atomically: through a temporary file in the same folder, then a rename, so a
-crash or Ctrl-C never leaves half a file where a complete one was (or is expected).
+"""Writing files and directories atomically: through a temporary sibling, then a rename, so a
+crash or Ctrl-C never leaves half a file (or half a directory) where a complete one was or is
+expected.
 
 The file ends with the permissions a plain ``open(path, "w")`` would give it: those of the file it
 replaces, or for a new file ``0o666`` less the process's umask. (``tempfile.mkstemp`` alone makes
@@ -8,13 +9,29 @@ every file private to its owner, which breaks a cache or a results folder shared
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
 import tempfile
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "atomic_write_text", "current_umask", "new_file_mode"]
+from .errors import CaddtreeError
+
+__all__ = [
+    "atomic_directory",
+    "atomic_write",
+    "atomic_write_text",
+    "current_umask",
+    "new_file_mode",
+    "replace_directory",
+]
+
+STALE_BUILD_SECONDS = 6 * 3600
+"""A build directory left this long by :func:`atomic_directory` belongs to a process that died."""
 
 
 def current_umask() -> int:
@@ -62,3 +79,112 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """:func:`atomic_write` of UTF-8 ``text``."""
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+# ---- directories --------------------------------------------------------------------------------
+
+
+def _build_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+def _new_build_dir(final: Path) -> Path:
+    """A fresh, empty sibling of ``final`` to build in (``os.mkdir`` honours the umask, where
+    ``tempfile.mkdtemp`` would make it private to this user)."""
+    tmp = final.parent / f"{_build_prefix(final)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _remove_stale_builds(final: Path) -> None:
+    cutoff = time.time() - STALE_BUILD_SECONDS
+    for path in final.parent.glob(_build_prefix(final) + "*"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime < cutoff:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def atomic_directory(
+    final: str | os.PathLike[str],
+    build: Callable[[Path], None],
+    *,
+    is_complete: Callable[[Path], bool] | None = None,
+) -> Path:
+    """Create directory ``final`` by calling ``build(tmp)`` on a fresh sibling directory ``tmp``
+    and renaming it to ``final`` only when ``build`` returns (a cache entry built once).
+
+    If ``build`` raises (or the process dies), ``final`` does not appear: the partial directory is
+    removed (a killed build's leftover is removed by a later call once it is hours old). If
+    ``final`` is already complete (``is_complete``, default: it exists), nothing is built. Builds
+    of one ``final`` take turns under a file lock, so two processes never both spend the time; the
+    second finds the first one's directory and returns it.
+    """
+    from filelock import FileLock
+
+    final = Path(final)
+    complete = is_complete or Path.is_dir
+    if complete(final):
+        return final
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CaddtreeError(
+            f"cannot create the cache directory {final.parent}: {exc.strerror or exc}. Set "
+            "CADDTREE_CACHE to a writable directory."
+        ) from None
+    with FileLock(str(final.parent / f".{final.name}.lock")):
+        if complete(final):  # built by another process while we waited
+            return final
+        _remove_stale_builds(final)
+        if final.exists():  # an incomplete directory under the final name (not made by us)
+            shutil.rmtree(final)
+        tmp = _new_build_dir(final)
+        try:
+            build(tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def previous_directory(final: str | os.PathLike[str]) -> Path:
+    """Where :func:`replace_directory` keeps the previous ``final`` while it swaps in the new."""
+    final = Path(final)
+    return final.with_name(final.name + ".old")
+
+
+def replace_directory(final: str | os.PathLike[str], build: Callable[[Path], None]) -> Path:
+    """Replace directory ``final`` (or create it) with what ``build(tmp)`` writes into a fresh
+    sibling ``tmp`` (a training checkpoint, saved again and again).
+
+    The previous ``final`` stays whole until the new one is in place: it is renamed to
+    :func:`previous_directory` first, and removed only after the new one has its name, so a crash
+    between the two renames leaves the previous one there (:func:`recover_directory` puts it back).
+    If ``build`` raises, ``final`` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _new_build_dir(final)
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = previous_directory(final)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def recover_directory(final: str | os.PathLike[str]) -> bool:
+    """Put back the previous ``final`` if :func:`replace_directory` was interrupted between its
+    two renames; returns whether it did."""
+    final, old = Path(final), previous_directory(final)
+    if final.exists() or not old.is_dir():
+        return False
+    old.rename(final)
+    return True

@@ -28,10 +28,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -43,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError, InvalidInputError
-from .files import atomic_write, atomic_write_text
+from .files import atomic_write, atomic_write_text, recover_directory, replace_directory
 from .models.dflash import (
     DFlashDraftModel,
     check_drafter_fits_target,
@@ -531,9 +529,10 @@ class _Trainer:
 def _save_checkpoint(
     directory: Path, drafter, optimizer, step: int, log: list[dict], config: TrainConfig
 ) -> None:
-    """Atomic checkpoint: drafter (released format), optimiser state (safetensors + JSON)."""
-    tmp = Path(tempfile.mkdtemp(prefix=".checkpoint.", dir=directory.parent))
-    try:
+    """Atomic checkpoint: drafter (released format), optimiser state (safetensors + JSON). The
+    previous checkpoint stays whole until this one is in place (:func:`replace_directory`)."""
+
+    def write(tmp: Path) -> None:
         drafter.save_pretrained(tmp)
         tensors, state_meta = {}, {}
         for pid, state in optimizer.state_dict()["state"].items():
@@ -555,29 +554,14 @@ def _save_checkpoint(
                 indent=1,
             )
         )
-        # The previous checkpoint stays whole until the new one is in place: a crash between the
-        # two renames leaves it as ``checkpoint.old``, which the next resume puts back.
-        old = _previous_checkpoint(directory)
-        if directory.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
-
-def _previous_checkpoint(directory: Path) -> Path:
-    return directory.with_name(directory.name + ".old")
+    replace_directory(directory, write)
 
 
 def _recover_checkpoint(directory: Path) -> None:
     """Put back the previous checkpoint if a save was interrupted between its two renames."""
-    old = _previous_checkpoint(directory)
-    if not directory.exists() and (old / "trainer_state.json").is_file():
-        print(f"an interrupted save left {old}; resuming from it", file=sys.stderr)
-        old.rename(directory)
+    if recover_directory(directory):
+        print("an interrupted save left the previous checkpoint; resuming from it", file=sys.stderr)
 
 
 def _load_optimizer_state(directory: Path, optimizer, state: dict) -> None:
