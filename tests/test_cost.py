@@ -427,3 +427,15 @@ def test_a_vanishing_draft_cost_is_refused(tmp_path):
         load_cost_model(path)
     with pytest.raises(CostModelError, match=r"at least 1e-09"):
         _UserCostModel(1e-300, 0.0).round_cost_table(0, 8)
+
+
+def test_the_noise_warning_lives_on_the_cost_model():
+    n = np.arange(0, 65, 8)
+    clean = ConvexCostModel.fit({0: (n, 0.01 + 1e-4 * n)}, draft_cost=0.004)
+    assert clean.worst_r2 == pytest.approx(1.0) and not clean.noisy
+    assert clean.noise_warning("rerun") is None
+    wobbly = 0.01 + 1e-4 * n + np.where(np.arange(n.size) % 2, 4e-3, 0.0)
+    noisy = ConvexCostModel.fit({0: (n, 0.01 + 1e-4 * n), 64: (n, wobbly)}, draft_cost=0.004)
+    assert noisy.worst_r2 == pytest.approx(noisy.fit_quality[64].r2) and noisy.worst_r2 < 0.9
+    warning = noisy.noise_warning("rerun on a quiet machine")
+    assert f"R2 down to {noisy.worst_r2:.2f}" in warning and warning.endswith("quiet machine")

@@ -10,7 +10,6 @@ print(out.text, out.stats.tau, out.stats.ms_per_token)
 from __future__ import annotations
 
 import itertools
-import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -204,15 +203,6 @@ def machine_description(device: torch.device) -> str:
 SLOW_PROFILE_S = 300.0
 """A first-use profile estimated to take longer than this (seconds) comes with a hint how to
 avoid it."""
-
-NOISY_R2 = 0.9  # a verification-cost fit below this R2 was probably disturbed by other work
-
-
-def _worst_r2(model: CostModel) -> float:
-    """The lowest R2 of the model's per-context-length fits (1.0 for a model without fits)."""
-    quality = getattr(model, "fit_quality", None) or {}
-    worst = min((q.r2 for q in quality.values()), default=1.0)
-    return worst if worst == worst else -math.inf  # NaN counts as the worst fit
 
 
 def _weights_digest(model: torch.nn.Module) -> str:
@@ -430,13 +420,11 @@ class SpeculativeGenerator:
                     file=sys.stderr,
                 )
                 model = self.profile(**settings)
-                if _worst_r2(model) < NOISY_R2:
+                if model.noisy:
                     print(
-                        f"caddtree: the timings were noisy (R2 down to {_worst_r2(model):.2f}); "
-                        "measuring once more",
-                        file=sys.stderr,
+                        f"caddtree: {model.noise_warning('measuring once more')}", file=sys.stderr
                     )
-                    model = max(model, self.profile(**settings), key=_worst_r2)
+                    model = max(model, self.profile(**settings), key=lambda m: m.worst_r2)
                 model.save(path)
         except OSError as exc:  # e.g. a cache folder another user made, without write access
             where = f" ({exc.filename})" if exc.filename else ""
@@ -445,13 +433,11 @@ class SpeculativeGenerator:
                 "make it writable for this user, or set CADDTREE_CACHE to a writable directory"
             ) from None
         print(f"caddtree: cost model saved to {path}\n{model.fit_report()}", file=sys.stderr)
-        if _worst_r2(model) < NOISY_R2:
-            print(
-                f"caddtree: warning: the timings stayed noisy (R2 down to {_worst_r2(model):.2f}); "
-                "another process may have been using the machine. The fit is still convex and "
-                f"usable, but for a better one delete {path} and run again on a quiet machine.",
-                file=sys.stderr,
-            )
+        warning = model.noise_warning(
+            f"measured twice. For a better fit, delete {path} and run again on a quiet machine."
+        )
+        if warning:
+            print(f"caddtree: warning: {warning}", file=sys.stderr)
         return model
 
     def _block(self) -> dict[str, int]:

@@ -380,14 +380,11 @@ def _profile(args: argparse.Namespace) -> int:
     print(f"saved the cost model to {saved}")
     if args.plot is not None:
         print(f"saved the figure to {profiling.plot_cost_model(model, args.plot)}")
-    worst = min(q.r2 for q in model.fit_quality.values())
-    if not worst >= 0.9:
-        print(
-            f"caddtree: warning: the timings were noisy (R2 down to {worst:.2f}); another process "
-            "may have been using the machine. The fit is convex and usable; for a better one, run "
-            "again on a quiet machine or with more --trials.",
-            file=sys.stderr,
-        )
+    warning = model.noise_warning(
+        "for a better one, run again on a quiet machine or with more --trials."
+    )
+    if warning:
+        print(f"caddtree: warning: {warning}", file=sys.stderr)
     print(f"use it with: caddtree generate --method caddtree --cost-model {saved} PROMPT")
     return 0
 

@@ -282,6 +282,11 @@ def _check_context_length(value: Any) -> int:
     return int(value)
 
 
+NOISY_R2 = 0.9
+"""A verification-cost fit with R² below this was probably disturbed by other work: the timings
+of a quiet machine fit a convex curve far better."""
+
+
 class CostModel(ABC):
     """What one decoding round costs, in seconds.
 
@@ -459,6 +464,27 @@ class ConvexCostModel(_CurvesPerContext):
             curves[length] = PiecewiseLinearCurve(x, f)
             quality[length] = _fit_quality(y, f)
         return cls(curves, draft_cost, quality, metadata)
+
+    @property
+    def worst_r2(self) -> float:
+        """The lowest R² of the per-context-length fits (1.0 without any; NaN counts as -inf)."""
+        worst = min((q.r2 for q in self.fit_quality.values()), default=1.0)
+        return worst if worst == worst else -math.inf
+
+    @property
+    def noisy(self) -> bool:
+        """Whether a fit is below :data:`NOISY_R2`: the timings were probably disturbed."""
+        return self.worst_r2 < NOISY_R2
+
+    def noise_warning(self, remedy: str) -> str | None:
+        """The one warning about noisy timings (``None`` when the fits are fine), ending with
+        ``remedy``: what the caller can do about it."""
+        if not self.noisy:
+            return None
+        return (
+            f"the timings were noisy (R2 down to {self.worst_r2:.2f}); another process may have "
+            f"been using the machine. The fit is convex and usable; {remedy}"
+        )
 
     def fit_report(self) -> str:
         """A small text table of R², RMSE and max error (ms) per context length."""
