@@ -486,7 +486,19 @@ def test_ctrl_c_in_the_first_second_prints_no_traceback(tiny_pair_dirs):
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(0.8)  # past Python's start-up, inside the imports of torch and transformers
+    # interrupt while torch is being imported (inside main, past Python's own start-up): wait
+    # until its library is mapped, rather than a fixed time that a loaded machine outlasts
+    maps = f"/proc/{proc.pid}/maps"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with open(maps, encoding="utf-8", errors="replace") as fh:
+                if "libtorch" in fh.read():
+                    break
+        except OSError:  # not Linux: fall back to a fixed wait
+            time.sleep(0.8)
+            break
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

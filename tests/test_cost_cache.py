@@ -59,7 +59,7 @@ def test_two_first_runs_at_once_profile_once(generator, tmp_path, monkeypatch):
 
 
 def test_a_noisy_fit_is_measured_again_and_the_better_one_kept(
-    generator, tmp_path, monkeypatch, capsys
+    generator, tmp_path, monkeypatch, caplog
 ):
     noisy, clean = fitted(0.8, 1), fitted(0.0, 2)
     assert min(q.r2 for q in noisy.fit_quality.values()) < 0.9
@@ -68,25 +68,45 @@ def test_a_noisy_fit_is_measured_again_and_the_better_one_kept(
     model = generator.cached_cost_model(tmp_path)
     assert queue == []  # measured twice
     assert min(q.r2 for q in model.fit_quality.values()) > 0.99
-    err = capsys.readouterr().err
-    assert "measuring once more" in err and "measured twice" not in err
+    assert "measuring once more" in caplog.text and "measured twice" not in caplog.text
     saved = load_cost_model(next(tmp_path.glob("cost-*.json")))
     assert min(q.r2 for q in saved.fit_quality.values()) > 0.99
 
 
-def test_a_fit_that_stays_noisy_is_kept_with_a_warning(generator, tmp_path, monkeypatch, capsys):
+def test_a_fit_that_stays_noisy_is_kept_with_a_warning(generator, tmp_path, monkeypatch, caplog):
     first, second = fitted(0.8, 1), fitted(0.9, 3)
     queue = [first, second]
     monkeypatch.setattr(generator, "profile", lambda **kwargs: queue.pop(0))
     model = generator.cached_cost_model(tmp_path)
     best = max(min(q.r2 for q in m.fit_quality.values()) for m in (first, second))
     assert min(q.r2 for q in model.fit_quality.values()) == pytest.approx(best)
-    assert "measured twice" in capsys.readouterr().err
+    assert "measured twice" in caplog.text
 
 
-def test_a_clean_fit_is_measured_once(generator, tmp_path, monkeypatch, capsys):
+def test_a_clean_fit_is_measured_once(generator, tmp_path, monkeypatch, caplog):
     queue = [fitted(0.0, 0), fitted(0.0, 1)]
     monkeypatch.setattr(generator, "profile", lambda **kwargs: queue.pop(0))
     generator.cached_cost_model(tmp_path)
     assert len(queue) == 1
-    assert "measuring once more" not in capsys.readouterr().err
+    assert "measuring once more" not in caplog.text
+
+
+def test_the_library_logs_and_prints_nothing_itself(
+    generator, tmp_path, monkeypatch, capsys, caplog
+):
+    """Library code reports through `logging` (the CLI shows it as `caddtree: ...` lines); with
+    no handler configured, an info message reaches neither stdout nor stderr."""
+    import logging
+
+    monkeypatch.setattr(generator, "profile", lambda **kwargs: fitted(0.0, 0))
+    generator.cached_cost_model(tmp_path)  # profiles and saves
+    capsys.readouterr()
+    logger = logging.getLogger("caddtree")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger="caddtree"):
+        generator.cached_cost_model(tmp_path)  # reads the cache: an info message
+    assert any("profiled earlier" in r.getMessage() for r in caplog.records)
+    assert all(r.name.startswith("caddtree.") for r in caplog.records)
+    out, err = capsys.readouterr()
+    assert out == "" and "profiled earlier" not in err

@@ -164,18 +164,19 @@ def fake_smollm2(monkeypatch, tmp_path):
     return gguf, conversions
 
 
-def test_default_target_converts_once_and_says_so(fake_smollm2, capsys, tmp_path):
+def test_default_target_converts_once_and_says_so(fake_smollm2, caplog, tmp_path):
     gguf, conversions = fake_smollm2
     first = defaults.default_target_dir()
-    err = capsys.readouterr().err
-    assert "converting SmolLM2-135M-Instruct" in err and str(first) in err and "once" in err
+    said = caplog.text
+    assert "converting SmolLM2-135M-Instruct" in said and str(first) in said and "once" in said
     assert first.parent == tmp_path / "cache" and len(conversions) == 1
     marker = json.loads((first / defaults.CACHE_MARKER).read_text())
     assert marker["gguf_size"] == gguf.stat().st_size and marker["version"] == "0.1.2"
     assert defaults.target_cache_dir() == first
 
+    caplog.clear()
     assert defaults.default_target_dir() == first
-    assert len(conversions) == 1 and capsys.readouterr().err == ""  # cached: silent
+    assert len(conversions) == 1 and "converting" not in caplog.text  # cached: silent
 
     # the wheel is upgraded / reinstalled: the file changes, so convert again, drop the old cache
     os.utime(gguf, ns=(time.time_ns(), time.time_ns() + 10**9))

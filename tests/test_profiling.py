@@ -333,7 +333,7 @@ def test_describe_duration():
 
 
 def test_first_use_profiling_says_how_long_it_will_take(
-    tiny_generator, tmp_path, monkeypatch, capsys
+    tiny_generator, tmp_path, monkeypatch, caplog
 ):
     """It promised "about a minute" whatever the dtype; a float16 profile on a CPU took 15."""
     import caddtree.profiling
@@ -343,6 +343,6 @@ def test_first_use_profiling_says_how_long_it_will_take(
     monkeypatch.setattr(tiny_generator, "profile", lambda **kwargs: fake)
     monkeypatch.setattr(tiny_generator.verifier, "dtype", torch.float16)  # what the hint reads
     tiny_generator.cached_cost_model(tmp_path)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert "profiling it once (about 15 minutes, estimated" in err
     assert "float16 may have no fast kernels on this CPU" in err and "float32" in err

@@ -10,6 +10,7 @@ print(out.text, out.stats.tau, out.stats.ms_per_token)
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -59,6 +60,8 @@ __all__ = [
     "resolve_dtype",
     "token_ids",
 ]
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -381,7 +384,6 @@ class SpeculativeGenerator:
         profiled once (with a progress bar) and cached. Says on stderr which of the two happened."""
         import hashlib
         import json
-        import sys
         from pathlib import Path
 
         from .defaults import cache_root
@@ -406,24 +408,19 @@ class SpeculativeGenerator:
             # times what they do. The second process waits here, then reads the first one's result.
             with FileLock(str(path) + ".lock"):
                 if path.is_file():
-                    print(
-                        f"caddtree: using the cost model profiled earlier on this machine: {path}",
-                        file=sys.stderr,
-                    )
+                    logger.info("using the cost model profiled earlier on this machine: %s", path)
                     return load_cost_model(path)
                 if "context_lengths" not in kwargs:
                     kwargs["context_lengths"] = self._default_profile_lengths()
                 settings = {"trials": 3, "warmup": 1, **kwargs}
-                print(
-                    "caddtree: no cost model for this model pair and machine yet; profiling it "
-                    f"once ({self._profile_duration(settings)}), then caching it",
-                    file=sys.stderr,
+                logger.warning(
+                    "no cost model for this model pair and machine yet; profiling it once (%s), "
+                    "then caching it",
+                    self._profile_duration(settings),
                 )
                 model = self.profile(**settings)
                 if model.noisy:
-                    print(
-                        f"caddtree: {model.noise_warning('measuring once more')}", file=sys.stderr
-                    )
+                    logger.warning("%s", model.noise_warning("measuring once more"))
                     model = max(model, self.profile(**settings), key=lambda m: m.worst_r2)
                 model.save(path)
         except OSError as exc:  # e.g. a cache folder another user made, without write access
@@ -432,12 +429,12 @@ class SpeculativeGenerator:
                 f"cannot use the cost-model cache in {path.parent}: {exc.strerror or exc}{where}; "
                 "make it writable for this user, or set CADDTREE_CACHE to a writable directory"
             ) from None
-        print(f"caddtree: cost model saved to {path}\n{model.fit_report()}", file=sys.stderr)
+        logger.info("cost model saved to %s\n%s", path, model.fit_report())
         warning = model.noise_warning(
             f"measured twice. For a better fit, delete {path} and run again on a quiet machine."
         )
         if warning:
-            print(f"caddtree: warning: {warning}", file=sys.stderr)
+            logger.warning("%s", warning)
         return model
 
     def _block(self) -> dict[str, int]:

@@ -38,6 +38,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -66,6 +67,8 @@ __all__ = [
     "run_bench",
     "summary_table",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -328,7 +331,7 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return []
     rows, cut_off = parse_jsonl(path, "results")
     if cut_off:
-        print(f"caddtree: {cut_off}; dropping it (that record is run again)", file=sys.stderr)
+        logger.warning("%s; dropping it (that record is run again)", cut_off)
     return [obj for _, obj in rows]
 
 

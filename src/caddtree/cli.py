@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -822,10 +823,32 @@ def _quiet_broken_pipe() -> int:
     return 128 + getattr(signal, "SIGPIPE", 13)
 
 
+class _StderrLines(logging.Handler):
+    """The command line's view of the library's log: ``caddtree: message`` on stderr, written to
+    whatever ``sys.stderr`` is when the record is emitted."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            prefix = "caddtree: warning: " if record.levelno >= logging.WARNING else "caddtree: "
+            sys.stderr.write(prefix + self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging must never end the program
+            self.handleError(record)
+
+
+def _install_log_handler() -> None:
+    """Show the library's info messages and warnings (once, however often ``main`` runs)."""
+    root = logging.getLogger("caddtree")
+    if not any(isinstance(h, _StderrLines) for h in root.handlers):
+        root.addHandler(_StderrLines())
+    root.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command. Everything heavy (torch, transformers) is imported in here, after
     ``caddtree.cli`` itself has loaded, so a Ctrl-C during start-up ends as any other one does:
     "caddtree: interrupted" and exit status 130, no traceback."""
+    _install_log_handler()
     try:
         parser = _build_parser()
         args = parser.parse_args(argv)

@@ -31,9 +31,9 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,8 @@ __all__ = [
     "smollm2_gguf_path",
     "target_cache_dir",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_DRAFTER_NAME = "smollm2-135m-dflash"
@@ -308,22 +310,19 @@ def default_target_dir() -> Path:
     _require_converters()
 
     def build(tmp: Path) -> None:
-        print(
-            f"caddtree: converting {DEFAULT_TARGET_NAME} from the GGUF in {SMOLLM2_DISTRIBUTION} "
-            f"{version} to a transformers checkpoint once (takes a while, ~540 MB), "
-            f"cached at {final}",
-            file=sys.stderr,
-            flush=True,
+        logger.warning(
+            "converting %s from the GGUF in %s %s to a transformers checkpoint once (takes a "
+            "while, ~540 MB), cached at %s",
+            DEFAULT_TARGET_NAME,
+            SMOLLM2_DISTRIBUTION,
+            version,
+            final,
         )
         start = time.perf_counter()
         _convert_smollm2(gguf_path, tmp)
         marker = dict(source, key=key, name=DEFAULT_TARGET_NAME, created=time.time())
         (tmp / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-        print(
-            f"caddtree: converted in {time.perf_counter() - start:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        logger.info("converted in %.1f s", time.perf_counter() - start)
 
     try:
         atomic_directory(final, build, is_complete=lambda p: _is_complete(p, key))

@@ -26,10 +26,10 @@ safetensors plus JSON.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -63,6 +63,8 @@ __all__ = [
     "split_samples",
     "train_drafter",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,9 +288,8 @@ def prepare_data(
         if len(done.sequences) >= len(prompts):
             n = len(prompts)
             return TrainingData(done.sequences[:n], done.prompt_lengths[:n], done.meta)
-        print(
-            f"resuming response generation at prompt {len(done.sequences)} of {len(prompts)}",
-            file=sys.stderr,
+        logger.info(
+            "resuming response generation at prompt %d of %d", len(done.sequences), len(prompts)
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for start in range(len(done.sequences), len(prompts), chunk_size):
@@ -561,7 +562,7 @@ def _save_checkpoint(
 def _recover_checkpoint(directory: Path) -> None:
     """Put back the previous checkpoint if a save was interrupted between its two renames."""
     if recover_directory(directory):
-        print("an interrupted save left the previous checkpoint; resuming from it", file=sys.stderr)
+        logger.warning("an interrupted save left the previous checkpoint; resuming from it")
 
 
 def _load_optimizer_state(directory: Path, optimizer, state: dict) -> None:
@@ -630,7 +631,7 @@ def train_drafter(
                 f"{init_from} has {drafter.config.num_hidden_layers} layers and block size "
                 f"{drafter.block_size}; pass the same --num-layers and --block-size"
             )
-        print(f"starting from the weights of {init_from}", file=sys.stderr)
+        logger.info("starting from the weights of %s", init_from)
     else:
         drafter = _new_drafter(target, data, config, stop_token_ids)
     config.target_layer_ids = list(drafter.target_layer_ids)
@@ -655,7 +656,7 @@ def train_drafter(
     if state is not None:
         _load_optimizer_state(ckpt, optimizer, state)
         start, log = int(state["step"]), list(state["log"])
-        print(f"resuming from step {start} of {config.steps} ({ckpt})", file=sys.stderr)
+        logger.info("resuming from step %d of %d (%s)", start, config.steps, ckpt)
 
     log_path = out / "train_log.jsonl"
     # the file starts as the checkpoint's log: steps run after the last checkpoint by an
@@ -684,7 +685,7 @@ def train_drafter(
     except KeyboardInterrupt:
         if len(log) > start:
             _save_checkpoint(ckpt, drafter, optimizer, len(log), log, config)
-            print(f"\ninterrupted: saved step {len(log)}; run again to resume", file=sys.stderr)
+            logger.warning("interrupted: saved step %d; run again to resume", len(log))
         raise
     finally:
         bar.close()
@@ -734,10 +735,11 @@ def _new_drafter(
     vocab = None
     if config.draft_vocab_coverage is not None:
         vocab, covered = choose_draft_vocab(data, config.draft_vocab_coverage, stop_token_ids)
-        print(
-            f"draft vocabulary: {len(vocab)} of {tcfg.vocab_size} tokens, covering "
-            f"{100 * covered:.2f}% of the response tokens",
-            file=sys.stderr,
+        logger.info(
+            "draft vocabulary: %d of %d tokens, covering %.2f%% of the response tokens",
+            len(vocab),
+            tcfg.vocab_size,
+            100 * covered,
         )
     drafter = DFlashDraftModel.for_target(
         tcfg,
