@@ -481,7 +481,9 @@ def _digest(token_ids: Sequence[int]) -> str:
 
 def _dtype_name(gen: Any) -> str:
     """The canonical name of the dtype ``gen``'s target runs in (``"bfloat16"``)."""
-    return str(gen.verifier.dtype).removeprefix("torch.")
+    from .api import dtype_name
+
+    return dtype_name(gen.verifier.dtype)
 
 
 def _record(

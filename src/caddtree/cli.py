@@ -413,10 +413,11 @@ def _train_drafter(args: argparse.Namespace) -> int:
         ("--magpie", args.magpie),
     ):
         check_int(flag, count, minimum=0)
-    if args.code > len(prompt_data.stdlib_code_prompts()):
+    code_pool = len(prompt_data.stdlib_code_prompts())
+    if args.code > code_pool:
         raise InvalidInputError(
             f"--code {args.code} asks for more code prompts than this Python's standard library "
-            f"gives ({len(prompt_data.stdlib_code_prompts())}); use at most that many, or add "
+            f"gives ({code_pool}); use at most that many, or add "
             "prompts of your own with --prompts"
         )
 
