@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from caddtree.train import TrainConfig, TrainingData, _Trainer, load_trained_drafter, split_samples
+from caddtree.train.data import TrainingData
+from caddtree.train.trainer import TrainConfig, _Trainer, load_trained_drafter, split_samples
 
 
 def ngram_top1(data: TrainingData, train: list[int], held: list[int]) -> tuple[float, float]:

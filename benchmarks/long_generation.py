@@ -5,8 +5,8 @@
 
 Loads the built-in pair (SmolLM2-135M-Instruct and its shipped drafter, resolved as the CLI
 resolves them, in bfloat16 unless ``--dtype``), warms it up with a short untimed generation, then
-generates ``--max-new-tokens`` tokens (EOS ignored, so the output has that length) and reports the
-process's resident memory (RSS, from /proc: Linux only):
+generates ``--max-new-tokens`` tokens (EOS ignored, so the output has that length; a progress bar
+on stderr follows it) and reports the process's resident memory (RSS, from /proc: Linux only):
 
 * ``before``: after loading and the warm-up;
 * ``peak``: the highest RSS sampled every 10 ms during the call;
@@ -123,8 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     release_freed_memory()
     before = rss_bytes()
     start = time.perf_counter()
-    with PeakSampler() as sampler:
-        result = gen.generate(prompt_ids, max_new_tokens=tokens, **run)
+    from tqdm.auto import tqdm
+
+    # a progress bar on stderr: the callback gets each round's new tokens (the prefill's first)
+    with (
+        PeakSampler() as sampler,
+        tqdm(total=tokens, desc=args.method, unit="tok", file=sys.stderr) as bar,
+    ):
+        result = gen.generate(
+            prompt_ids,
+            max_new_tokens=tokens,
+            callback=lambda _stats, new_tokens: bar.update(len(new_tokens)),
+            **run,
+        )
     seconds = time.perf_counter() - start
     after = rss_bytes()
     release_freed_memory()

@@ -2,6 +2,6 @@
 # Set up .venv (see setup.sh) and run the whole test suite: lint, then pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test plot
+bash scripts/setup.sh test plot serve
 .venv/bin/ruff check src tests benchmarks scripts
 .venv/bin/python -m pytest -q

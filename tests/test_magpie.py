@@ -8,8 +8,8 @@ import json
 import pytest
 
 from caddtree import CaddtreeError
-from caddtree.data import OverlapIndex, build_training_prompts
-from caddtree.magpie import filter_queries, generate_queries, pre_query_ids, read_prompt_file
+from caddtree.train.magpie import filter_queries, generate_queries, pre_query_ids, read_prompt_file
+from caddtree.train.prompts import OverlapIndex, build_training_prompts
 from tiny_models import MASK_TOKEN_ID, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
 

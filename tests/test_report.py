@@ -10,20 +10,13 @@ import numpy as np
 import pytest
 
 from caddtree import ConvexCostModel
+from caddtree.bench.figures import rejected_subtrees
+from caddtree.bench.report import write_report
+from caddtree.bench.results import load_results, load_trees, side_file
+from caddtree.bench.summary import aggregate, budget_grid, confidence_analysis
+from caddtree.bench.tables import method_table, table1
 from caddtree.cli import main
 from caddtree.errors import InvalidInputError
-from caddtree.report import (
-    aggregate,
-    budget_grid,
-    confidence_analysis,
-    load_results,
-    load_trees,
-    method_table,
-    rejected_subtrees,
-    side_file,
-    table1,
-    write_report,
-)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -556,6 +556,11 @@ PARAMETERS = {
     "max_budget": ANY_NUMBER | st.integers(-2, 80),
     "temperature": ANY_NUMBER | st.floats(0, 3),
     "top_p": ANY_NUMBER | st.floats(0, 1),
+    "top_k": ANY_NUMBER | st.integers(-2, 200),
+    "min_p": ANY_NUMBER | st.floats(0, 1),
+    "repetition_penalty": ANY_NUMBER | st.floats(0, 5),
+    "stop": ANY_NUMBER | st.lists(st.text(max_size=3), max_size=3),
+    "chat_template_kwargs": ANY_NUMBER | st.dictionaries(st.text(max_size=4), ANY_NUMBER),
     "seed": ANY_NUMBER | st.integers(0, 2**64),
     "max_new_tokens": ANY_NUMBER | st.integers(-2, 70),
     "method": st.sampled_from(METHODS) | st.text(max_size=8),
@@ -571,6 +576,11 @@ def test_any_generation_parameter_works_or_is_refused(gen, cost, greedy, method,
         "max_budget": 32,
         "temperature": 0.0,
         "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "stop": None,
+        "chat_template_kwargs": None,
         "seed": None,
         "max_new_tokens": 5,
     }
@@ -585,5 +595,6 @@ def test_any_generation_parameter_works_or_is_refused(gen, cost, greedy, method,
     limit = int(kwargs["max_new_tokens"])
     assert out.method == kwargs["method"] and 1 <= len(out.token_ids) <= limit
     assert all(0 <= t < VOCAB for t in out.token_ids)
-    if kwargs["temperature"] == 0:  # lossless: greedy decoding's tokens
+    # lossless: greedy decoding's tokens (top-k, top-p and min-p leave greedy decoding alone)
+    if kwargs["temperature"] == 0 and kwargs["repetition_penalty"] == 1 and not kwargs["stop"]:
         assert out.token_ids == greedy[:limit]

@@ -11,15 +11,9 @@ from safetensors.torch import load_file
 
 from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
-from caddtree.train import (
-    TrainConfig,
-    TrainingData,
-    build_training_batch,
-    compute_features,
-    generate_responses,
-    prepare_data,
-    train_drafter,
-)
+from caddtree.train.data import TrainingData, generate_responses, prepare_data
+from caddtree.train.features import compute_features
+from caddtree.train.trainer import TrainConfig, build_training_batch, train_drafter
 from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
 
@@ -346,7 +340,7 @@ def test_batched_features_equal_one_sequence_at_a_time(target, data):
 def test_cached_responses_and_features_belong_to_one_target_and_dtype(target, tmp_path):
     """Another model that shares the tokenizer, or the same model in another dtype, must not
     reuse the responses or the context features cached for the first one."""
-    from caddtree.train import _cached_features
+    from caddtree.train.features import cached_features
 
     tok = tiny_tokenizer(MASK_TOKEN_ID)
     path = tmp_path / "data.safetensors"
@@ -359,8 +353,8 @@ def test_cached_responses_and_features_belong_to_one_target_and_dtype(target, tm
         prepare_data(as_float32, tok, ["hello", "abc"], path, max_new_tokens=5, progress=False)
 
     feats_path = tmp_path / "features.safetensors"
-    first = _cached_features(target, data, [0, 2], feats_path, progress=False)
-    recomputed = _cached_features(other, data, [0, 2], feats_path, progress=False)
+    first = cached_features(target, data, [0, 2], feats_path, progress=False)
+    recomputed = cached_features(other, data, [0, 2], feats_path, progress=False)
     expected = compute_features(other, data, [0, 2], progress=False)
     assert all(torch.equal(a, b) for a, b in zip(recomputed, expected))
     assert not all(torch.equal(a, b) for a, b in zip(first, recomputed))

@@ -5,6 +5,7 @@ Public API (see README.md):
 * draft trees - :class:`DraftTree`, :func:`build_chain`, :func:`build_ddtree`, :func:`build_caddtree`
 * cost models - :class:`CostModel`, :class:`ConvexCostModel`, :class:`ConstantCostModel`,
   :func:`load_cost_model`
+* transformers - ``model.generate(..., custom_generate=caddtree.hf.generate)`` (:mod:`caddtree.hf`)
 * generation - :class:`SpeculativeGenerator` (``from_pretrained`` then ``generate``) and the
   DFlash drafter :class:`DFlashDraftModel`; these load torch and transformers on first use.
 """
@@ -37,6 +38,8 @@ _LAZY = {
     "DFlashDraftModel": "models",
     "METHODS": "decoding",
 }
+# submodules reachable as attributes without importing them first (``caddtree.hf.generate``)
+_LAZY_MODULES = ("hf",)
 
 
 def __getattr__(name: str) -> Any:
@@ -45,6 +48,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

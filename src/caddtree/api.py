@@ -24,7 +24,9 @@ from .checks import (
     MAX_TREE_NODES,
     MIN_TEMPERATURE,
     _chat_messages,
+    check_chat_template_kwargs,
     check_int,
+    check_stop,
     check_text,
     check_tree_budgets,
     make_sampler,
@@ -32,7 +34,7 @@ from .checks import (
     token_ids,
 )
 from .cost import CostModel, load_cost_model
-from .decoding import GenerationStats, RoundStats, decode, make_policy
+from .decoding import GenerationStats, RoundStats, _criteria_list, decode, make_policy
 from .errors import CaddtreeError, CheckpointError, InvalidInputError
 from .tree import DraftTree
 
@@ -176,11 +178,32 @@ def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
     return ids
 
 
-def chat_template_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant turn."""
-    ids = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+def stop_string_criterion(tokenizer: Any, stop_strings: list[str]) -> Any:
+    """transformers' ``StopStringCriteria`` for ``stop_strings`` (checked with :func:`check_stop`),
+    or a clear error when no token of ``tokenizer`` can end any of them."""
+    from transformers import StopStringCriteria
+
+    try:
+        return StopStringCriteria(tokenizer, stop_strings)
+    except ValueError:  # no token of the vocabulary can complete any of them
+        raise InvalidInputError(
+            f"no token of the tokenizer can end the stop strings {stop_strings!r} (their "
+            "characters are not in its vocabulary), so they could never stop generation; "
+            "leave them out"
+        ) from None
+
+
+def chat_template_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant turn.
+
+    ``chat_template_kwargs`` go to ``apply_chat_template`` and so to the template (e.g.
+    ``{"enable_thinking": False}`` for Qwen3; ``add_generation_prompt`` may be overridden too)."""
+    kwargs = {"add_generation_prompt": True, **check_chat_template_kwargs(chat_template_kwargs)}
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False, **kwargs)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -219,6 +242,15 @@ def _weights_digest(model: torch.nn.Module) -> str:
         h.update(str(tuple(tensor.shape)).encode())
         h.update(flat[:: max(1, flat.numel() // 64)].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _no_template_kwargs(kwargs: dict[str, Any], why: str) -> None:
+    """Refuse chat-template arguments where no chat template is applied: they would be lost."""
+    if kwargs:
+        raise InvalidInputError(
+            f"chat_template_kwargs ({', '.join(sorted(kwargs))}) only apply with the chat "
+            f"template, and {why}; leave them out, or give text or chat messages with chat=True"
+        )
 
 
 @dataclass
@@ -459,11 +491,17 @@ class SpeculativeGenerator:
     # ---- prompts ------------------------------------------------------------------------------
 
     def encode(
-        self, prompt: str | Sequence[int] | Sequence[dict[str, str]] | Any, chat: bool | None = None
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, str]] | Any,
+        chat: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``prompt``: a string (wrapped in the chat template when the tokenizer has
         one, unless ``chat=False``), a list of chat messages, or token ids as they are (a list of
-        ints, or a 1-D integer torch tensor or numpy array; see :func:`token_ids`)."""
+        ints, or a 1-D integer torch tensor or numpy array; see :func:`token_ids`).
+        ``chat_template_kwargs`` (a dict, e.g. ``{"enable_thinking": False}`` for Qwen3) go to
+        the chat template; giving some where no template is applied is an error."""
+        template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
         messages = _chat_messages(prompt)
         if isinstance(prompt, str) or messages is not None:
             if self.tokenizer is None:
@@ -476,15 +514,17 @@ class SpeculativeGenerator:
             if chat:
                 if not has_template:
                     raise InvalidInputError("the tokenizer has no chat template; use chat=False")
-                return chat_template_ids(self.tokenizer, messages)
+                return chat_template_ids(self.tokenizer, messages, template_kwargs)
             if not isinstance(prompt, str):
                 raise InvalidInputError("chat messages need chat=True and a chat template")
+            _no_template_kwargs(template_kwargs, "the prompt is not wrapped in the chat template")
             return [int(t) for t in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
         if not isinstance(prompt, (list, tuple, torch.Tensor, np.ndarray, bytes, bytearray)):
             raise InvalidInputError(
                 "a prompt is a string, a list of chat messages, or token ids (a list of ints, or "
                 f"a 1-D integer tensor or array), got a value of type {type(prompt).__name__}"
             )
+        _no_template_kwargs(template_kwargs, "a prompt of token ids is used as it is")
         vocab = int(self.target.config.get_text_config().vocab_size)
         return token_ids(prompt, vocab, "a prompt's token ids")
 
@@ -504,16 +544,30 @@ class SpeculativeGenerator:
         max_budget: int = 1024,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         max_new_tokens: int = 256,
         stop_token_ids: Iterable[int] | None = None,
+        stop: str | Sequence[str] | None = None,
+        stopping_criteria: Iterable[Callable[..., Any]] | None = None,
         chat: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         seed: int | None = None,
         callback: Callable[[RoundStats | None, list[int]], Any] | None = None,
         tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``; see :func:`caddtree.decoding.decode`.
 
+        Sampling follows transformers' ``generate``: ``temperature=0`` is greedy decoding, above
+        0 samples after ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p`` (0 = off);
+        ``repetition_penalty`` (1 = off) applies either way (see
+        :class:`~caddtree.decoding.Sampler`). ``seed`` makes sampling reproducible.
         ``stop_token_ids=None`` uses :meth:`default_stop_token_ids`; pass ``()`` to ignore EOS.
+        ``stop`` (a string or a list of strings) ends generation after the token that completes
+        one of them (the token is kept; transformers' ``StopStringCriteria``, which needs the
+        tokenizer); ``stopping_criteria`` adds other transformers-style criteria.
+        ``chat_template_kwargs`` go to the chat template (see :meth:`encode`).
         """
         cost = self._cost_model(cost_model) or self.cost_model
         max_budget = check_tree_budgets(method, budget, max_budget, **self._block())
@@ -527,8 +581,21 @@ class SpeculativeGenerator:
             raise InvalidInputError(
                 f"method {method!r} needs a DFlash drafter; load one (draft=...) or use method='ar'"
             )
-        prompt_ids = self.encode(prompt, chat=chat)
-        sampler = make_sampler(temperature, top_p, seed, device=self.verifier.device)
+        sampler = make_sampler(
+            temperature,
+            top_p,
+            seed,
+            device=self.verifier.device,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+        )
+        stop_strings = check_stop(stop)
+        if stop_strings and self.tokenizer is None:
+            raise InvalidInputError(
+                "stop strings need a tokenizer and this generator has none; use stop_token_ids"
+            )
+        prompt_ids = self.encode(prompt, chat=chat, chat_template_kwargs=chat_template_kwargs)
         stops = self.default_stop_token_ids()
         if stop_token_ids is not None:
             if isinstance(stop_token_ids, Iterable) and not isinstance(
@@ -537,6 +604,9 @@ class SpeculativeGenerator:
                 stop_token_ids = list(stop_token_ids)  # a set, a generator ...
             vocab = int(self.target.config.get_text_config().vocab_size)
             stops = set(token_ids(stop_token_ids, vocab, "stop_token_ids"))
+        criteria = _criteria_list(stopping_criteria)
+        if stop_strings:
+            criteria.insert(0, stop_string_criterion(self.tokenizer, stop_strings))
         try:
             result = decode(
                 self.verifier,
@@ -546,6 +616,7 @@ class SpeculativeGenerator:
                 max_new_tokens=max_new_tokens,
                 sampler=sampler,
                 stop_token_ids=stops,
+                stopping_criteria=criteria,
                 callback=callback,
                 tree_callback=tree_callback,
             )

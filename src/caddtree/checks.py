@@ -17,15 +17,25 @@ import numpy as np
 
 from .errors import CaddtreeError, InvalidInputError
 
+# The decoding methods: one round loop, four tree policies (caddtree.decoding).
+METHODS = ("ar", "dflash", "ddtree", "caddtree")
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .decoding import Sampler
 
 __all__ = [
+    "METHODS",
+    "MAX_REPETITION_PENALTY",
     "MAX_TREE_NODES",
+    "MIN_REPETITION_PENALTY",
     "MIN_TEMPERATURE",
+    "RESERVED_CHAT_TEMPLATE_KWARGS",
+    "check_chat_template_kwargs",
     "check_int",
+    "check_sampling",
+    "check_stop",
     "check_text",
     "check_tree_budgets",
     "is_int",
@@ -144,28 +154,144 @@ def check_tree_budgets(
     return int(min(max_budget, holds))
 
 
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+"""The range of ``repetition_penalty``. The penalty divides positive and multiplies negative
+float32 scores; far outside this range the scores overflow (a penalty of ``1e-320`` is 0 in
+float32), and within it a penalty already removes or favours repeats as much as it can."""
+
+RESERVED_CHAT_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "return_dict")
+"""Arguments of ``apply_chat_template`` that caddtree sets itself and a caller may not override
+through ``chat_template_kwargs``."""
+
+
+def _number(name: str, value: Any) -> float:
+    """``value`` as a float when it is a finite real number (not a bool)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise InvalidInputError(f"{name} must be a number, not True/False")
+    if not is_number(value) or not np.isfinite(float(value)):
+        raise InvalidInputError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_sampling(
+    temperature: Any = 0.0,
+    top_p: Any = 1.0,
+    top_k: Any = 0,
+    min_p: Any = 0.0,
+    repetition_penalty: Any = 1.0,
+    seed: Any = None,
+) -> dict[str, Any]:
+    """The sampling settings of a generation, checked, as a dict of plain Python numbers.
+
+    ``temperature`` 0 (greedy decoding) or in ``[MIN_TEMPERATURE, inf)``; ``top_p`` in ``(0, 1]``
+    (1 = off); ``top_k`` an integer >= 0 (0 = off); ``min_p`` in ``[0, 1)`` (0 = off);
+    ``repetition_penalty`` in ``[MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]`` (1 = off);
+    ``seed`` ``None`` or an integer in ``[0, 2**64)``. The meaning of each is transformers'
+    (``model.generate(do_sample=temperature > 0, temperature=..., top_k=..., ...)``).
+    """
+    t = _number("temperature", temperature)
+    if t < 0:
+        raise InvalidInputError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if 0 < t < MIN_TEMPERATURE:
+        raise InvalidInputError(
+            f"temperature {temperature!r} is too small to sample with (the scaled logits "
+            f"overflow); use 0 for greedy decoding or at least {MIN_TEMPERATURE:g}"
+        )
+    p = _number("top_p", top_p)
+    if not 0 < p <= 1:
+        raise InvalidInputError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    if isinstance(top_k, (bool, np.bool_)) or not is_int(top_k) or top_k < 0:
+        raise InvalidInputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    m = _number("min_p", min_p)
+    if not 0 <= m < 1:
+        raise InvalidInputError(f"min_p must be a number in [0, 1) (0 = off), got {min_p!r}")
+    r = _number("repetition_penalty", repetition_penalty)
+    if not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+        raise InvalidInputError(
+            f"repetition_penalty must be a number > 0 (1 = off, above 1 discourages repeats) "
+            f"between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g}, got "
+            f"{repetition_penalty!r}"
+        )
+    if seed is not None and (
+        isinstance(seed, (bool, np.bool_)) or not is_int(seed) or not 0 <= seed < 2**64
+    ):
+        raise InvalidInputError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    return {
+        "temperature": t,
+        "top_p": p,
+        "top_k": int(top_k),
+        "min_p": m,
+        "repetition_penalty": r,
+        "seed": None if seed is None else int(seed),
+    }
+
+
 def make_sampler(
     temperature: Any = 0.0,
     top_p: Any = 1.0,
     seed: Any = None,
     device: torch.device | str = "cpu",
+    *,
+    top_k: Any = 0,
+    min_p: Any = 0.0,
+    repetition_penalty: Any = 1.0,
 ) -> Sampler:
-    """A :class:`~caddtree.decoding.Sampler`, after the checks it leaves out: a temperature above
-    0 but below :data:`MIN_TEMPERATURE`, and a seed that is not an integer in ``[0, 2**64)``."""
-    if isinstance(temperature, bool) or isinstance(top_p, bool):
-        raise InvalidInputError("temperature and top_p are numbers, not True/False")
-    if isinstance(temperature, (int, float)) and 0 < temperature < MIN_TEMPERATURE:
-        raise InvalidInputError(
-            f"temperature {temperature!r} is too small to sample with (the scaled logits "
-            f"overflow); use 0 for greedy decoding or at least {MIN_TEMPERATURE:g}"
-        )
-    if seed is not None and (
-        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64
-    ):
-        raise InvalidInputError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    """A :class:`~caddtree.decoding.Sampler` for these settings, checked by
+    :func:`check_sampling` (an :class:`InvalidInputError` naming the bad one otherwise)."""
     from .decoding import Sampler
 
-    return Sampler(temperature, top_p, None if seed is None else int(seed), device=device)
+    return Sampler(
+        temperature,
+        top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        device=device,
+    )
+
+
+def check_stop(stop: Any) -> list[str]:
+    """Stop strings as a list: ``None`` is none, a string is one, a list or tuple holds several.
+    Each must be a non-empty string of valid UTF-8."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise InvalidInputError(
+            f"stop must be a string or a list of strings, got a value of type {type(stop).__name__}"
+        )
+    out = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise InvalidInputError(
+                f"stop strings must be non-empty strings, got {item!r} in stop={stop!r}"
+            )
+        out.append(check_text(item, f"the stop string {item!r}"))
+    return out
+
+
+def check_chat_template_kwargs(value: Any) -> dict[str, Any]:
+    """Extra keyword arguments for the tokenizer's chat template (e.g. ``{"enable_thinking":
+    False}`` for Qwen3) as a dict: ``None`` is none. Keys are strings, and not one of
+    :data:`RESERVED_CHAT_TEMPLATE_KWARGS`."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInputError(
+            "chat_template_kwargs must be a dict of keyword arguments for the chat template "
+            f'(e.g. {{"enable_thinking": False}}), got a value of type {type(value).__name__}'
+        )
+    for key in value:
+        if not isinstance(key, str):
+            raise InvalidInputError(f"chat_template_kwargs keys must be strings, got {key!r}")
+        if key in RESERVED_CHAT_TEMPLATE_KWARGS:
+            raise InvalidInputError(
+                f"chat_template_kwargs may not set {key!r}: caddtree sets "
+                f"{', '.join(RESERVED_CHAT_TEMPLATE_KWARGS)} itself"
+            )
+    return dict(value)
 
 
 def check_text(text: str, what: str = "the prompt") -> str:

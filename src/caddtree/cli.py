@@ -98,6 +98,41 @@ def _resolve_pair(args: argparse.Namespace) -> None:
     args.target, args.draft, args.dtype = resolve_model_pair(args.target, args.draft, args.dtype)
 
 
+def _chat_template_kwargs(text: str | None) -> dict | None:
+    """``--chat-template-kwargs``: a JSON object, checked (a one-line error otherwise)."""
+    import json
+
+    from .checks import check_chat_template_kwargs
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(
+            f"--chat-template-kwargs is not valid JSON ({exc.msg} at character {exc.pos}); give "
+            """an object such as '{"enable_thinking": false}'"""
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidInputError(
+            "--chat-template-kwargs must be a JSON object such as "
+            f"""'{{"enable_thinking": false}}', got {text!r}"""
+        )
+    return check_chat_template_kwargs(value)
+
+
+def _speed_line(s) -> str:
+    """Time to first token, decode speed and draft acceptance of one run's statistics."""
+    speed = "-" if s.decode_tokens_per_s is None else f"{s.decode_tokens_per_s:.1f}"
+    line = f"TTFT {1e3 * s.ttft_s:.0f} ms  decode {speed} tok/s"
+    if s.draft_tokens:
+        line += (
+            f"  draft acceptance {s.draft_acceptance_rate:.1%} ({s.accepted_tokens} of "
+            f"{s.draft_tokens} nodes)  mean acceptance length {s.mean_acceptance_length:.2f}"
+        )
+    return line
+
+
 def _generate(args: argparse.Namespace) -> int:
     """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
     import json
@@ -114,6 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
         make_sampler,
         resolve_dtype,
     )
+    from .checks import check_stop
     from .cost import load_cost_model
     from .streaming import IncrementalDecoder
 
@@ -129,7 +165,20 @@ def _generate(args: argparse.Namespace) -> int:
         args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
     )
     check_int("max_new_tokens", args.max_new_tokens)
-    make_sampler(args.temperature, args.top_p, args.seed)
+    make_sampler(
+        args.temperature,
+        args.top_p,
+        args.seed,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    check_stop(args.stop)
+    template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
+    if template_kwargs and args.raw:
+        raise InvalidInputError(
+            "--chat-template-kwargs only applies with the chat template (not --raw)"
+        )
     resolve_dtype(args.dtype, torch.device("cpu"))
     if args.cost_model is not None:
         args.cost_model = load_cost_model(args.cost_model)
@@ -174,12 +223,18 @@ def _generate(args: argparse.Namespace) -> int:
         if text_stream is not None:
             print(text_stream.push(tokens), end="", flush=True)
 
+    # the same prompt and sampling settings for every run, the AR baselines' included
     common = {
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "stop": args.stop,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
         "chat": False if args.raw else None,
+        "chat_template_kwargs": template_kwargs or None,
     }
     if ar_gens:
         # Untimed warm-up of every timed run (the method, and AR in each dtype) on the same prompt,
@@ -263,6 +318,7 @@ def _generate(args: argparse.Namespace) -> int:
             f"tau {s.tau:.2f}{budget}  {s.ms_per_token:.1f} ms/token  ({s.stop_reason}){note}",
             file=sys.stderr,
         )
+        print(f"  {_speed_line(s)}", file=sys.stderr)
     if baseline is not None:
         same = "identical output" if baseline.token_ids == result.token_ids else "outputs differ"
         if args.temperature > 0:
@@ -400,9 +456,9 @@ def _train_drafter(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import data as prompt_data
     from .api import eos_token_ids, resolve_dtype
     from .train import TrainConfig, prepare_data, train_drafter
+    from .train import prompts as prompt_data
 
     check_int("--stop-after", args.stop_after, allow_none=True)
     check_int("--max-prompts", args.max_prompts, allow_none=True)
@@ -445,7 +501,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     user_prompts = None
     if args.prompts:
-        from .magpie import read_prompt_file
+        from .train.magpie import read_prompt_file
 
         user_prompts = read_prompt_file(args.prompts)  # before any slow work: fail fast
     out = __import__("pathlib").Path(args.output)
@@ -466,7 +522,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     }
     magpie_report = None
     if args.magpie:
-        from .magpie import filter_queries, generate_queries
+        from .train.magpie import filter_queries, generate_queries
 
         t0 = time.perf_counter()
         raw = generate_queries(
@@ -587,7 +643,7 @@ def _report(args: argparse.Namespace) -> int:
     results.trees.jsonl) are skipped with a note."""
     from pathlib import Path
 
-    from .report import build_report
+    from .bench.report import build_report
 
     out = args.out if args.out is not None else Path(args.results).parent / "report"
     report = build_report(args.results, out, cost_model=args.cost_model)
@@ -601,9 +657,15 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """`caddtree serve`: see :func:`caddtree.serve.main`."""
+    from .serve import main as serve_main  # MissingDependencyError without the serve extra
+
+    return serve_main(args.serve_args)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    from .decoding import METHODS
-    from .profiling import MAX_NODE_COUNT
+    from .checks import MAX_TREE_NODES, METHODS
 
     parser = argparse.ArgumentParser(
         prog="caddtree",
@@ -658,7 +720,31 @@ def _build_parser() -> argparse.ArgumentParser:
         "in the run's dtype only",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k best (0 = off)")
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens below this fraction of the best token's probability (0 = off)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="penalise tokens already in the context, greedy or sampling (1 = off; e.g. 1.1)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="stop after the token that completes TEXT (kept in the output); repeatable",
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="""extra chat-template arguments as a JSON object, e.g. '{"enable_thinking": false}'""",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
     p.add_argument(
@@ -698,7 +784,7 @@ def _build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="N",
         help="tree sizes to time, at least 3 distinct (default: 0 1 2 4 8 ... 768 1024; "
-        f"--quick: up to 256; at most {MAX_NODE_COUNT})",
+        f"--quick: up to 256; at most {MAX_TREE_NODES})",
     )
     p.add_argument("--trials", type=int, help="timed runs per point, median kept (default 5)")
     p.add_argument("--warmup", type=int, help="untimed runs before them (default 2)")
@@ -807,6 +893,17 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: report/ next to RESULTS)")
     p.add_argument("--cost-model", help="cost-model file: also draw Fig. 4 (the cost profile)")
     p.set_defaults(handler=_report)
+
+    # The server's options live in caddtree.serve, which needs the optional fastapi and uvicorn:
+    # its arguments pass through untouched (`caddtree serve --help` prints its own help).
+    p = sub.add_parser(
+        "serve",
+        help="serve the models with an OpenAI-compatible HTTP API (pip install 'caddtree[serve]')",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    p.add_argument("serve_args", nargs="*")
+    p.set_defaults(handler=_serve)
     return parser
 
 

@@ -11,17 +11,20 @@ ddtree    :class:`Budget`      the top-``budget`` prefixes (Eq. phistar)
 caddtree  :class:`CostAware`   the top-``n*`` prefixes, ``n*`` by Algorithm 1
 ========  ===================  ==================================================
 
-Losslessness. At temperature 0 the walk follows the target's argmax at every node, so the output
-is token for token that of plain greedy decoding. At temperature > 0 the walk samples the target's
-token at each visited node (from the target's own, possibly tempered / top-p filtered
-distribution) and follows the child that carries it; the first sampled token with no matching
-child becomes the next bonus token. Every committed token is therefore a sample of the target's
-distribution given everything before it, exactly as in plain sampling.
+Losslessness. The target's token at every visited tree node is chosen by the :class:`Sampler`
+exactly as plain decoding would choose it there: from that node's logits, processed by the same
+transformers logits processors (repetition penalty, temperature, top-k, top-p, min-p) with that
+node's own context, the prompt, the committed tokens and the tree path down to the node. Greedy
+decoding takes the argmax of the (processed) scores, sampling draws from their softmax; the walk
+follows the child that carries the chosen token, and the first chosen token with no matching
+child becomes the next bonus token. Every committed token is therefore distributed as plain
+decoding's token given everything before it (at temperature 0: token for token the same), for
+any processor that depends only on the context, as transformers' processors do. Stop tokens and
+stopping criteria (e.g. stop strings) are checked after every committed token, as transformers
+checks them after every generated token, so the output ends where plain decoding's would.
 
-Statistics. ``tau`` is the mean number of tokens committed per verification round (accepted draft
-tokens plus the bonus token, so AR has ``tau = 1``); the token produced by the prefill pass is not
-part of any round. ``ms_per_token`` is the wall time of the whole call (prefill included) divided
-by the number of generated tokens.
+Statistics: see :class:`GenerationStats` (``tau``, time to first token, decode speed, draft
+acceptance) and :class:`RoundStats` (one verification round).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .checks import check_int
+from .checks import METHODS, check_int, check_sampling
 from .errors import InvalidInputError
 from .tree import DraftTree, build_caddtree, build_chain, build_ddtree
 
@@ -54,12 +57,13 @@ __all__ = [
     "Proposer",
     "RoundStats",
     "Sampler",
+    "TokenContext",
     "TreePolicy",
     "decode",
     "make_policy",
+    "walk_tree",
 ]
 
-METHODS = ("ar", "dflash", "ddtree", "caddtree")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,55 +186,175 @@ def make_policy(
 
 
 class Sampler:
-    """Chooses the target's token from one row of logits: argmax at temperature 0, otherwise a
-    sample of ``softmax(logits / temperature)``, optionally restricted to the top-p nucleus."""
+    """Chooses the target's token from one row of logits, as transformers' ``generate`` does.
+
+    A sampler is a list of transformers logits processors and a ``do_sample`` flag. The token is
+    the argmax of the processed scores (``do_sample=False``) or a sample of their softmax; the
+    processors see a float32 copy of the logits and the context (``input_ids``, ``[1, n]``), as
+    in ``GenerationMixin._sample``. Build one from the usual settings::
+
+        Sampler(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, seed=0)
+
+    which makes the processors ``model.generate`` makes for the same arguments, in its order
+    (``GenerationMixin._get_logits_processor``): ``RepetitionPenaltyLogitsProcessor``, then only
+    when sampling ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` and
+    ``MinPLogitsWarper``, each only when it changes anything; ``temperature=0`` is greedy
+    decoding (``do_sample=False``). Or wrap processors prepared elsewhere (for example those
+    transformers hands to ``generate(custom_generate=...)``) with :meth:`from_processors`.
+    Sampling draws from ``generator`` when given, else from a new one seeded with ``seed`` (on
+    ``device``), else from torch's global random number generator.
+
+    With no processors and greedy decoding the choice needs no context and the round loop takes
+    a fast path: one argmax over all of a tree's rows (:func:`walk_tree`).
+    """
 
     def __init__(
         self,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        *,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         seed: int | None = None,
         device: torch.device | str = "cpu",
+        generator: torch.Generator | None = None,
     ):
-        if (
-            not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature)
-            or temperature < 0
-        ):
-            raise InvalidInputError(
-                f"temperature must be a finite number >= 0, got {temperature!r}"
+        settings = check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+        do_sample = settings["temperature"] > 0
+        if do_sample and generator is None and settings["seed"] is not None:
+            generator = torch.Generator(device=device).manual_seed(settings["seed"])
+        self._setup(_sampling_processors(**settings, do_sample=do_sample), do_sample, generator)
+        self.settings = settings
+
+    @classmethod
+    def from_processors(
+        cls,
+        processors: Iterable[Any] | None,
+        do_sample: bool,
+        generator: torch.Generator | None = None,
+    ) -> Sampler:
+        """A sampler that applies ``processors`` (a ``LogitsProcessorList`` or any iterable of
+        logits processors, in order) and then takes the argmax (``do_sample=False``) or samples
+        with ``generator`` (``None``: torch's global random number generator)."""
+        sampler = cls.__new__(cls)
+        sampler._setup(list(processors or ()), bool(do_sample), generator)
+        sampler.settings = None
+        return sampler
+
+    def _setup(
+        self, processors: list[Any], do_sample: bool, generator: torch.Generator | None
+    ) -> None:
+        # A tuple called in order, as ``LogitsProcessorList`` does without extra arguments, minus
+        # the signature inspection it repeats on every call (about half of its time on a small
+        # vocabulary). Empty: raw logits (the fast greedy path).
+        self.processors = tuple(processors)
+        self.do_sample = do_sample
+        self._needs_context = False
+        if self.processors:
+            from transformers import (
+                MinPLogitsWarper,
+                TemperatureLogitsWarper,
+                TopKLogitsWarper,
+                TopPLogitsWarper,
             )
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise InvalidInputError(f"top_p must be in (0, 1], got {top_p!r}")
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.generator: torch.Generator | None = None
-        if self.temperature > 0:
-            self.generator = torch.Generator(device=device)
-            if seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(int(seed))
+
+            context_free = (
+                TemperatureLogitsWarper,
+                TopKLogitsWarper,
+                TopPLogitsWarper,
+                MinPLogitsWarper,
+            )
+            self._needs_context = not all(isinstance(p, context_free) for p in self.processors)
+        self.generator = generator if do_sample else None
+
+    def __repr__(self) -> str:
+        what = self.settings or {
+            "do_sample": self.do_sample,
+            "processors": [type(p).__name__ for p in self.processors],
+        }
+        return f"Sampler({', '.join(f'{k}={v!r}' for k, v in what.items())})"
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding (of the processed scores, when there are processors)."""
+        return not self.do_sample
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    @property
+    def needs_context(self) -> bool:
+        """Whether :meth:`choose` reads the context: a processor other than transformers'
+        temperature, top-k, top-p and min-p warpers may (a repetition penalty does)."""
+        return self._needs_context
+
+    def scores(self, logits: torch.Tensor, context_ids: Any = None) -> torch.Tensor:
+        """The processed scores of a 1D row of ``logits`` (float32, like transformers'), given the
+        tokens before it, ``context_ids`` (a ``[1, n]`` or 1D tensor, or a list of ints; may be
+        left out when :attr:`needs_context` is false)."""
+        scores = logits.reshape(1, -1).to(dtype=torch.float32, copy=True)
+        if self.processors:
+            if context_ids is None:
+                if self._needs_context:
+                    raise ValueError("this sampler's logits processors need the context token ids")
+                context_ids = ()  # read by none of them
+            ids = torch.as_tensor(context_ids, dtype=torch.long, device=scores.device)
+            ids = ids.reshape(1, -1)
+            for processor in self.processors:
+                scores = processor(ids, scores)
+        return scores[0]
+
+    def probabilities(self, logits: torch.Tensor, context_ids: Any = None) -> torch.Tensor:
         """The distribution that :meth:`choose` samples from (for a 1D row of logits)."""
-        probs = torch.softmax(logits.double() / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            sorted_probs[before >= self.top_p] = 0.0  # keep the smallest set reaching top_p
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-            probs /= probs.sum()
-        return probs
+        return torch.softmax(self.scores(logits, context_ids), dim=-1)
 
-    def choose(self, logits: torch.Tensor) -> int:
-        if self.greedy:
+    def choose(self, logits: torch.Tensor, context_ids: Any = None) -> int:
+        """The token after ``context_ids`` given the target's ``logits`` row there. The context
+        may be left out when :attr:`needs_context` is false."""
+        if self.greedy and not self.processors:
             return int(greedy_choices(logits))
-        return int(torch.multinomial(self.probabilities(logits), 1, generator=self.generator))
+        scores = self.scores(logits, context_ids)
+        if self.greedy:
+            return int(torch.argmax(scores))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _sampling_processors(
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    repetition_penalty: float,
+    do_sample: bool,
+    seed: int | None = None,
+) -> list[Any]:
+    """The logits processors ``model.generate`` builds for these settings, in its order (see
+    :class:`Sampler`); empty for plain greedy decoding and for plain sampling at temperature 1."""
+    wanted = (
+        repetition_penalty != 1.0,
+        do_sample and temperature != 1.0,
+        do_sample and top_k != 0,
+        do_sample and top_p < 1.0,
+        do_sample and min_p > 0.0,
+    )
+    if not any(wanted):
+        return []
+    from transformers import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    makers = (
+        lambda: RepetitionPenaltyLogitsProcessor(repetition_penalty),
+        lambda: TemperatureLogitsWarper(temperature),
+        lambda: TopKLogitsWarper(top_k),
+        lambda: TopPLogitsWarper(top_p),
+        lambda: MinPLogitsWarper(min_p),
+    )
+    return [make() for make, want in zip(makers, wanted) if want]
 
 
 def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
@@ -242,28 +366,74 @@ def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def walk_tree(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+class TokenContext:
+    """The prompt and the committed tokens as transformers' ``input_ids`` (``[1, n]``, on the
+    device), for logits processors and stopping criteria that read the context.
+
+    A preallocated buffer of ``capacity`` tokens: :meth:`ids` is a view of its first tokens, so no
+    call copies the whole sequence. Tokens put after the committed ones with :meth:`put` are
+    tentative (a tree path being walked, a round's tokens being checked) until :meth:`commit`.
+    """
+
+    def __init__(self, prompt: Sequence[int], capacity: int, device: torch.device | str):
+        self._ids = torch.zeros((1, capacity), dtype=torch.long, device=device)
+        self._ids[0, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+        self.length = len(prompt)
+
+    def ids(self, tentative: int = 0) -> torch.Tensor:
+        """The committed tokens and the first ``tentative`` tokens put after them."""
+        return self._ids[:, : self.length + tentative]
+
+    def put(self, offset: int, token: int) -> None:
+        """Place ``token`` ``offset`` positions after the committed tokens (not committed)."""
+        self._ids[0, self.length + offset] = token
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to the committed tokens."""
+        if tokens:
+            end = self.length + len(tokens)
+            self._ids[0, self.length : end] = torch.tensor(list(tokens), dtype=torch.long)
+            self.length = end
+
+
+def walk_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    sampler: Sampler,
+    context: TokenContext | None = None,
+) -> tuple[list[int], int]:
     """Walk ``tree`` with the target's choices.
 
-    ``logits`` [n+1, V] are the target's logits for ``[bonus] + nodes``. Returns the accepted path
-    as indices into ``[bonus] + nodes`` (``0`` first) and the next bonus token: the target's choice
-    after the last accepted node, which no child carries.
+    ``logits`` [n+1, V] are the target's logits for ``[bonus] + nodes``. The target's token at a
+    node is chosen with that node's own path as context: ``context`` (the prompt and every
+    committed token, the bonus included) followed by the tokens on the tree path down to and
+    including the node, so a repetition penalty sees exactly what plain decoding would have seen
+    there. ``context`` may be ``None`` when the sampler does not read it
+    (:attr:`Sampler.needs_context`). Returns the accepted path as indices into
+    ``[bonus] + nodes`` (``0`` first) and the next bonus token: the target's choice after the
+    last accepted node, which no child carries.
     """
-    if sampler.greedy and len(tree):
+    track = context is not None and sampler.needs_context
+    if sampler.greedy and not sampler.processors and len(tree):
         choices = greedy_choices(logits).tolist()  # one host sync for the whole tree
-        choose = choices.__getitem__
+
+        def choose(row: int, depth: int) -> int:
+            return choices[row]
     else:
 
-        def choose(row: int) -> int:
-            return sampler.choose(logits[row])
+        def choose(row: int, depth: int) -> int:
+            return sampler.choose(logits[row], context.ids(depth) if track else None)
 
     path = [0]
     node = -1
     while True:
-        token = choose(node + 1)
+        depth = len(path) - 1  # tokens of the tree path after the committed ones
+        token = choose(node + 1, depth)
         child = tree.child_with_token(node, token) if len(tree) else -1
         if child < 0:
             return path, token
+        if track:
+            context.put(depth, token)
         path.append(child + 1)
         node = child
 
@@ -306,7 +476,26 @@ class RoundStats:
 
 @dataclass
 class GenerationStats:
-    """Summary of one generation (see the module docstring for ``tau`` and ``ms_per_token``)."""
+    """Summary of one generation.
+
+    Speed: ``ms_per_token`` is the wall time of the whole call (prefill included) per generated
+    token; ``ttft_s`` (time to first token) is the prefill forward plus the choice of the first
+    token, from the start of :func:`decode`; ``decode_tokens_per_s`` is the tokens after the
+    first over the time after it (``None`` when only one token was generated).
+
+    Acceptance: ``tau`` is the mean number of tokens committed per verification round (accepted
+    draft tokens plus the bonus token, after any stop or length cut; AR has ``tau = 1``);
+    ``mean_acceptance_length`` is the same number under vLLM's name. The token of the prefill is
+    part of no round. ``draft_tokens`` counts the tree nodes verified, ``accepted_tokens`` the
+    draft tokens accepted, and ``draft_acceptance_rate`` is their ratio (0 without draft tokens).
+    For a tree that rate is per verified node: a round that verifies 60 nodes and accepts a path of
+    4 counts 4/60, however good the path, so it falls as trees grow even when ``tau`` rises.
+    ``accepted_per_position[k - 1]`` is the number of rounds that accepted at least ``k`` draft
+    tokens (vLLM's ``num_accepted_tokens_per_pos``; as long as the deepest acceptance).
+
+    ``stop_reason``: ``"stop_token"`` (EOS or another stop token id), ``"stop_string"``,
+    ``"stopping_criteria"`` (another criterion), or ``"max_new_tokens"``.
+    """
 
     method: str
     new_tokens: int
@@ -320,7 +509,14 @@ class GenerationStats:
     draft_s: float
     tree_s: float
     verify_s: float
-    stop_reason: str  # "stop_token" or "max_new_tokens"
+    stop_reason: str
+    ttft_s: float
+    decode_tokens_per_s: float | None
+    mean_acceptance_length: float
+    draft_tokens: int
+    accepted_tokens: int
+    draft_acceptance_rate: float
+    accepted_per_position: list[int]
     per_round: list[RoundStats] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -333,13 +529,19 @@ class GenerationStats:
         prefill_s: float,
         stop_reason: str,
     ) -> GenerationStats:
-        """The summary of one generation of ``new_tokens`` tokens in ``rounds``."""
+        """The summary of one generation of ``new_tokens`` tokens in ``rounds``; ``prefill_s`` is
+        the time to the first token."""
         budgets = np.array([r.budget for r in rounds], dtype=np.float64)
+        tau = float(np.mean([r.committed for r in rounds])) if rounds else 0.0
+        draft_tokens = sum(r.budget for r in rounds)
+        accepted_tokens = sum(r.accepted for r in rounds)
+        deepest = max((r.accepted for r in rounds), default=0)
+        after_first = wall_s - prefill_s
         return cls(
             method=method,
             new_tokens=new_tokens,
             rounds=len(rounds),
-            tau=float(np.mean([r.committed for r in rounds])) if rounds else 0.0,
+            tau=tau,
             ms_per_token=1e3 * wall_s / new_tokens,
             budget_mean=float(budgets.mean()) if rounds else 0.0,
             budget_std=float(budgets.std()) if rounds else 0.0,
@@ -349,6 +551,17 @@ class GenerationStats:
             tree_s=sum(r.tree_s for r in rounds),
             verify_s=sum(r.verify_s for r in rounds),
             stop_reason=stop_reason,
+            ttft_s=prefill_s,
+            decode_tokens_per_s=(
+                (new_tokens - 1) / after_first if new_tokens > 1 and after_first > 0 else None
+            ),
+            mean_acceptance_length=tau,
+            draft_tokens=draft_tokens,
+            accepted_tokens=accepted_tokens,
+            draft_acceptance_rate=accepted_tokens / draft_tokens if draft_tokens else 0.0,
+            accepted_per_position=[
+                sum(r.accepted >= k for r in rounds) for k in range(1, deepest + 1)
+            ],
             per_round=rounds,
         )
 
@@ -408,13 +621,53 @@ def _checked_prompt(
     return prompt
 
 
-def _truncate_at_stop(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], bool]:
-    """``tokens`` cut after the first stop token (kept) and to at most ``room`` tokens; and
-    whether a stop token was hit within them."""
+def _criteria_list(criteria: Any) -> list[Callable[..., Any]]:
+    """Stopping criteria as a flat list: ``None`` is none, a single criterion is one, and an
+    iterable (a ``StoppingCriteriaList`` is one, though it is callable too) holds several."""
+    if criteria is None:
+        return []
+    if callable(criteria) and not isinstance(criteria, Iterable):
+        return [criteria]
+    return list(criteria)
+
+
+def _criterion_reason(criterion: Any) -> str:
+    """The ``stop_reason`` of a stopping criterion that fired: ``"stop_string"`` for
+    transformers' ``StopStringCriteria``, ``"stop_token"`` for its ``EosTokenCriteria``,
+    ``"stopping_criteria"`` for any other."""
+    from transformers import EosTokenCriteria, StopStringCriteria
+
+    if isinstance(criterion, StopStringCriteria):
+        return "stop_string"
+    if isinstance(criterion, EosTokenCriteria):
+        return "stop_token"
+    return "stopping_criteria"
+
+
+def _stop_point(
+    tokens: list[int],
+    room: int,
+    stops: set[int],
+    criteria: Sequence[Callable[..., Any]],
+    context: TokenContext | None,
+) -> tuple[int, str | None]:
+    """How many of a round's ``tokens`` to keep, and why generation ends there (``None``: it
+    goes on). Each token in turn, up to ``room`` of them: a stop token ends generation after
+    itself, and so does a stopping criterion that fires on the context up to that token (as
+    transformers checks its criteria after every token); else ``room`` tokens end it by length.
+    """
     for j, tok in enumerate(tokens[:room]):
         if tok in stops:
-            return tokens[: j + 1], True
-    return tokens[:room], False
+            return j + 1, "stop_token"
+        if criteria:
+            context.put(j, tok)
+            ids = context.ids(j + 1)
+            for criterion in criteria:
+                if bool(torch.as_tensor(criterion(ids, None)).any()):
+                    return j + 1, _criterion_reason(criterion)
+    if len(tokens) >= room:
+        return room, "max_new_tokens"
+    return len(tokens), None
 
 
 def _confidence(tree: DraftTree, draft_logits: Any) -> float:
@@ -447,22 +700,38 @@ def decode(
     max_new_tokens: int = 256,
     sampler: Sampler | None = None,
     stop_token_ids: Iterable[int] = (),
+    stopping_criteria: Iterable[Callable[..., Any]] | None = None,
     callback: Callable[[RoundStats, list[int]], Any] | None = None,
     tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
+    logits_callback: Callable[[torch.Tensor], Any] | None = None,
 ) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one tree policy.
 
+    ``sampler`` chooses the target's tokens (default: greedy decoding). Generation stops after a
+    token in ``stop_token_ids``, or after a token at which one of ``stopping_criteria`` fires
+    (the token is kept in both cases), or after ``max_new_tokens`` tokens. The criteria are
+    transformers' (a ``StoppingCriteriaList``, e.g. of ``StopStringCriteria``) or any callables
+    of the same form, ``criterion(input_ids, scores) -> bool`` (or a one-element bool tensor);
+    each is called after every generated token with ``input_ids`` the prompt and the tokens
+    generated so far (``[1, n]``) and ``scores=None``.
     ``callback(round_stats, new_tokens)`` is called after every round (and once after the prefill,
     with ``round_stats=None``) with the tokens that round added, e.g. for streaming.
     ``tree_callback(tree, round_stats)`` receives every round's draft tree (for analysis and
-    rendering; ``round_stats.path`` is its accepted path). Generation
-    stops after a token in ``stop_token_ids`` (which is kept in the output) or after
-    ``max_new_tokens`` tokens.
+    rendering; ``round_stats.path`` is its accepted path).
+    ``logits_callback(rows)`` receives, after the prefill and after every round (before
+    ``callback``), the target's raw logits at which the tokens added were chosen, ``[k, V]``, one
+    row per token (for transformers' ``output_logits`` / ``output_scores``).
     """
     prompt = _checked_prompt(verifier, prompt_ids, policy, proposer, max_new_tokens)
     sampler = sampler or Sampler()
     stops = {int(t) for t in stop_token_ids}
+    criteria = _criteria_list(stopping_criteria)
     device = verifier.device
+    # The context as a tensor, only for a sampler or criteria that read it: the default greedy
+    # path keeps none.
+    context = None
+    if sampler.needs_context or criteria:
+        context = TokenContext(prompt, len(prompt) + max_new_tokens, device)
     rounds: list[RoundStats] = []
     # a lazy proposer (DFlashProposer.propose_lazy) leaves the projection to the tree builder
     propose = getattr(proposer, "propose_lazy", None) or getattr(proposer, "propose", None)
@@ -473,15 +742,19 @@ def decode(
     if proposer is not None:
         proposer.reset()
     logits, features = verifier.prefill(prompt)
-    bonus = sampler.choose(logits)
+    bonus = sampler.choose(logits, context.ids() if sampler.needs_context else None)
     output = [bonus]
     _sync(device)
     prefill_s = time.perf_counter() - t_start
+    _, stop_reason = _stop_point(output, max_new_tokens, stops, criteria, context)
+    if context is not None:
+        context.commit(output)
+    if logits_callback is not None:
+        logits_callback(logits[None])
     if callback is not None:
         callback(None, [bonus])
-    stop_reason = "stop_token" if bonus in stops else "max_new_tokens"
 
-    while bonus not in stops and len(output) < max_new_tokens:
+    while stop_reason is None:
         # Nodes deeper than this could never be committed within max_new_tokens.
         max_depth = max_new_tokens - len(output) - 1
         context_length = verifier.context_length
@@ -504,14 +777,16 @@ def decode(
         target_logits, _ = verifier.verify(bonus, tree)
         _sync(device)
         t_forward = time.perf_counter()
-        path, next_bonus = walk_tree(tree, target_logits, sampler)
+        path, next_bonus = walk_tree(tree, target_logits, sampler, context)
         new_tokens = [int(tree.token_ids[i - 1]) for i in path[1:]] + [next_bonus]
-        new_tokens, stopped = _truncate_at_stop(new_tokens, stops, max_new_tokens - len(output))
-        if stopped:
-            stop_reason = "stop_token"
-        done = stopped or len(output) + len(new_tokens) >= max_new_tokens
-        if not done:
+        keep, stop_reason = _stop_point(
+            new_tokens, max_new_tokens - len(output), stops, criteria, context
+        )
+        new_tokens = new_tokens[:keep]
+        if stop_reason is None:
             features = verifier.commit(path)
+            if context is not None:
+                context.commit(new_tokens)
         _sync(device)
         t3 = time.perf_counter()
         output.extend(new_tokens)
@@ -534,10 +809,10 @@ def decode(
         stats.round_s = time.perf_counter() - t0
         if tree_callback is not None:
             tree_callback(tree, stats)
+        if logits_callback is not None:  # row path[j] chose new_tokens[j]
+            logits_callback(target_logits[torch.tensor(path[:keep], device=target_logits.device)])
         if callback is not None:
             callback(stats, new_tokens)
-        if done:
-            break
         bonus = next_bonus
 
     wall_s = time.perf_counter() - t_start

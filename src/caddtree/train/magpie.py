@@ -7,7 +7,7 @@ few system prompts that steer it toward code, math, explanation, writing and eve
 target's own distribution. Queries are then filtered (:func:`filter_queries`): unfinished,
 degenerate (repetitive, too short or too long, leaking template markers) and near-duplicate
 queries (word 3-gram Jaccard similarity) are dropped. The caller also drops every query that
-overlaps a benchmark prompt (:class:`caddtree.data.OverlapIndex`).
+overlaps a benchmark prompt (:class:`caddtree.train.prompts.OverlapIndex`).
 
 Generation is resumable: raw queries go to a JSON-lines file, rewritten atomically after each
 batch; each batch is seeded from ``(seed, batch index)``, so a resumed run produces what an
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidInputError
-from .files import atomic_write_text
+from ..errors import InvalidInputError
+from ..files import atomic_write_text
 
 __all__ = [
     "PERSONAS",

@@ -1,0 +1,196 @@
+"""``caddtree bench``: its options, and the command that loads the prompts and the models, runs
+the benchmark (:func:`caddtree.bench.runner.run_bench`) and prints the summary tables
+(:func:`caddtree.bench.tables.summary_table`). How the benchmark runs: :mod:`caddtree.bench.runner`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..checks import check_int
+from ..errors import InvalidInputError
+from .methods import DEFAULT_BUDGETS, DEFAULT_METHODS, default_ar_dtypes, parse_methods
+from .runner import BenchConfig, barrier, generator_dtype, init_distributed, run_bench
+
+__all__ = ["add_arguments", "cli_main"]
+
+
+def add_arguments(p: Any) -> None:
+    """The ``caddtree bench`` options."""
+    from .datasets import PAPER_BENCHMARKS
+
+    p.add_argument("--target", help="target model (default: the built-in SmolLM2 pair)")
+    p.add_argument("--draft", help="DFlash drafter for --target")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32, bfloat16, float16, float64: the dtype of every method (ar-DTYPE "
+        "excepted)",
+    )
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--datasets",
+        nargs="+",
+        metavar="NAME",
+        help=f"benchmarks to run (default: the paper's {', '.join(PAPER_BENCHMARKS)}; none with "
+        "--prompts). Also: aime24",
+    )
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="extra prompt files (JSON lines with 'turns' or 'prompt'); the file name is the "
+        "dataset name. With --prompts and no --datasets, only these run",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        help="ar, ar-DTYPE (plain decoding with a copy of the target in DTYPE: float32, "
+        "bfloat16, float16, float64), dflash, ddtree (every --budgets), ddtree-B, caddtree, "
+        "caddtree-VARIANT. Default: ar dflash ddtree caddtree, and on a CPU the AR baseline in "
+        "the other of float32/bfloat16 (ar-float32 for a bfloat16 run); speed-ups are against "
+        "the fastest AR",
+    )
+    p.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_BUDGETS),
+        help="DDTree budget grid (default 16 ... 1024)",
+    )
+    p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also run the cost-model ablations: caddtree-constant (Table 2) and "
+        "caddtree-cd0.5/cd2/cv0.5/cv2 (Table 3)",
+    )
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="default: 0")
+    p.add_argument("--max-samples", type=int, help="first N prompts of each dataset (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-budget", type=int, default=1024, help="CaDDTree's node cap (default 1024)"
+    )
+    p.add_argument(
+        "--cost-model", help="from `caddtree profile` (default: profile this machine once, cached)"
+    )
+    p.add_argument("--out", default="bench-results/results.jsonl", help="JSON lines results file")
+    p.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed base (temperature > 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cli_main(args: Any) -> int:
+    """``caddtree bench``: see :mod:`caddtree.bench.runner`."""
+    import shlex
+
+    import torch
+
+    from .. import __version__
+    from ..api import SpeculativeGenerator, machine_description, resolve_dtype
+    from ..cost import load_cost_model
+    from .datasets import load_benchmark, load_prompt_file
+    from .tables import summary_table
+
+    check_int("--max-samples", args.max_samples, allow_none=True)
+    methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
+    specs = parse_methods(methods, args.budgets, args.ablations)
+    if args.target is None and args.draft is not None:  # cheap checks before any data or model
+        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
+    if args.target is not None and args.draft is None and any(s.family != "ar" for s in specs):
+        raise InvalidInputError("drafting methods need --draft (a DFlash checkpoint)")
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    config = BenchConfig(
+        prompts={},
+        methods=specs,
+        temperatures=args.temperatures,
+        max_new_tokens=args.max_new_tokens,
+        max_budget=args.max_budget,
+        seed=args.seed,
+        warmup=not args.no_warmup,
+    )
+    # load every data set before any model: an unreachable one fails now, not an hour in
+    from .datasets import PAPER_BENCHMARKS, canonical_benchmark_name
+
+    datasets = args.datasets
+    if datasets is None:
+        datasets = [] if args.prompts else list(PAPER_BENCHMARKS)
+    for name in dict.fromkeys(canonical_benchmark_name(n) for n in datasets):
+        config.prompts[name] = load_benchmark(name, max_samples=args.max_samples)
+    for file in args.prompts:
+        items = load_prompt_file(file)
+        config.prompts[Path(file).stem] = items[: args.max_samples] if args.max_samples else items
+    config.validate()
+
+    info = init_distributed(args.device)
+    device = info.device if info.distributed else args.device
+    from ..defaults import resolve_model_pair
+
+    args.target, args.draft, args.dtype = resolve_model_pair(args.target, args.draft, args.dtype)
+    needs_draft = any(s.family != "ar" for s in specs)
+    gen = SpeculativeGenerator.from_pretrained(
+        args.target, args.draft if needs_draft else None, dtype=args.dtype, device=device
+    )
+    main_dtype = generator_dtype(gen)
+    if args.methods is None:  # the default list: also AR in the dtype that may be faster here
+        extra = default_ar_dtypes(main_dtype, gen.verifier.device.type)
+        specs = parse_methods([*methods, *(f"ar-{d}" for d in extra)], args.budgets, args.ablations)
+        config.methods = specs
+    # one target-only copy per other dtype that plain decoding is measured in
+    ar_gens = {
+        s.dtype: SpeculativeGenerator.from_pretrained(
+            args.target, None, dtype=s.dtype, device=gen.verifier.device
+        )
+        for s in specs
+        if s.dtype is not None and s.dtype != main_dtype
+    }
+    cost = None
+    if any(s.needs_cost_model for s in specs):
+        if args.cost_model:
+            cost = load_cost_model(args.cost_model)
+        else:  # rank 0 profiles (once per machine, cached); the others then read the cache
+            if info.rank == 0:
+                cost = gen.cached_cost_model()
+            barrier(info)
+            if cost is None:
+                cost = gen.cached_cost_model()
+    meta = {
+        "target": str(args.target),
+        "draft": str(args.draft) if needs_draft else None,
+        "dtype": str(gen.verifier.dtype),
+        "device_type": gen.verifier.device.type,
+        "machine": machine_description(gen.verifier.device),
+        "torch": torch.__version__,
+        "caddtree": __version__,
+        "threads": torch.get_num_threads(),
+        "cost_model": args.cost_model or "profiled on this machine (cached)",
+        "command": shlex.join(["caddtree", "bench", *sys.argv[2:]])
+        if len(sys.argv) > 1 and sys.argv[1] == "bench"
+        else None,
+    }
+    records = run_bench(
+        gen,
+        config,
+        args.out,
+        cost_model=cost,
+        resume=not args.no_resume,
+        progress=not args.no_progress,
+        dist_info=info,
+        meta=meta,
+        ar_generators=ar_gens,
+    )
+    if info.rank == 0:
+        print(summary_table(records))
+        print(
+            f"\nresults: {args.out} ({len(records)} records); tables and figures: "
+            f"caddtree report {args.out}",
+            file=sys.stderr,
+        )
+    if info.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0

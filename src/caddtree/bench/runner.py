@@ -1,0 +1,535 @@
+"""The benchmark runner: AR, DFlash, DDTree (a budget grid) and CaDDTree on benchmark prompts.
+
+One *work item* is a (temperature, dataset, prompt) triple. Every method runs on it back to back,
+so machine noise hits all methods alike, in the listed order on even items and in reverse on odd
+ones, so that no method always runs first (or straight after another); every method is warmed up
+on a short untimed run before anything is timed. A record is written once the item's AR run is
+done, so each record can say whether its output is identical to AR's. Rounds are timed by phase
+with the device synchronised (:class:`caddtree.decoding.RoundStats`). Results are JSON lines, one
+record per (dataset, prompt, method, temperature), written and flushed as they are made. Next to
+``results.jsonl`` the runner writes ``results.meta.json`` (the settings and the machine) and
+``results.trees.jsonl`` (two CaDDTree draft trees per dataset, for the report's Figure 6). The
+files and records are defined in :mod:`caddtree.bench.results` (for users:
+``docs/benchmarking.md``); the report reads them from there and this module never imports it.
+
+The AR baseline. Speed-ups are against the fastest plain decoding a user could pick on the
+machine, and on a CPU that is not always the run's dtype (bfloat16 AR can be slower than float32
+AR). ``ar`` is plain decoding in the run's ``--dtype``; ``ar-<dtype>`` (``ar-float32``,
+``ar-bfloat16``, ...) is plain decoding of a second copy of the target in that dtype, in the same
+run and on the same prompts; each record names its ``dtype``. ``caddtree report`` (and the summary
+printed at the end) computes speed-ups against the fastest of them.
+
+Resuming. Running again with the same ``--out`` skips every record already there, so an
+interrupted run continues where it stopped; a torn last line (a kill mid-write) is dropped. The
+settings that change the numbers (model pair, dtype, max new tokens, ...) must match the earlier
+run's, or the runner refuses to mix them.
+
+Multi-turn prompts (MT-Bench) are run as in the paper: each turn is appended after the model's own
+answer to the previous turn, and the record sums the turns (``turns`` says how many).
+
+Data parallel. Under ``torchrun --nproc-per-node N`` the work items are split round-robin over the
+ranks (torch.distributed: gloo on CPU, nccl on CUDA, one GPU per rank). Each rank appends to its
+own ``results.rankK.jsonl``; at the end the records are gathered on rank 0, which writes the
+merged ``results.jsonl`` and removes the per-rank files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import math
+import os
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checks import check_int
+from ..errors import InvalidInputError
+from ..files import atomic_write_text
+from .methods import MethodSpec, variant_cost_model
+from .results import (
+    RUN_KEYS,
+    make_record,
+    make_tree_record,
+    meta_path,
+    rank_files,
+    rank_path,
+    read_records,
+    record_key,
+    tree_key,
+    trees_path,
+    write_jsonl,
+)
+
+__all__ = [
+    "BenchConfig",
+    "DistInfo",
+    "barrier",
+    "generator_dtype",
+    "init_distributed",
+    "run_bench",
+]
+
+
+@dataclass
+class BenchConfig:
+    """What to run. ``prompts`` maps a dataset name to its prompts
+    (:class:`caddtree.bench.datasets.BenchmarkPrompt` objects, or anything with ``id`` and
+    ``turns``)."""
+
+    prompts: dict[str, list[Any]]
+    methods: list[MethodSpec]
+    temperatures: Sequence[float] = (0.0,)
+    max_new_tokens: int = 256
+    max_budget: int = 1024
+    seed: int = 0
+    warmup: bool = True
+    warmup_tokens: int = 32
+    save_trees: bool = True
+
+    def validate(self) -> None:
+        if not self.prompts or not any(self.prompts.values()):
+            raise InvalidInputError("no prompts to benchmark")
+        if not self.methods:
+            raise InvalidInputError("no methods to benchmark")
+        for t in self.temperatures:
+            if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise InvalidInputError(f"temperatures must be finite numbers >= 0, got {t!r}")
+        for name, value in (
+            ("max_new_tokens", self.max_new_tokens),
+            ("max_budget", self.max_budget),
+        ):
+            check_int(name, value)
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+
+def _consolidate(out: Path) -> None:
+    """Fold what an interrupted run left behind into ``out`` and its trees file: per-rank files
+    (of any number of ranks) and torn last lines. Later records win; the per-rank files go."""
+    for trees, target, key in ((False, out, record_key), (True, trees_path(out), tree_key)):
+        parts = rank_files(out, trees)
+        text = target.read_text(encoding="utf-8") if target.is_file() else ""
+        clean = text == "" or text.endswith("\n")
+        if not parts and clean:
+            continue
+        merged: dict[tuple, dict[str, Any]] = {}
+        for source in (target, *parts):
+            for rec in read_records(source):
+                merged[key(rec)] = rec
+        write_jsonl(target, merged.values())
+        for part in parts:
+            part.unlink(missing_ok=True)
+
+
+# ---- distributed ----------------------------------------------------------------------------------
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    device: str | None = None  # None = the caller's choice
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed(device: str | None = None) -> DistInfo:
+    """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1): gloo on CPU,
+    nccl on CUDA with one GPU per local rank. A single process needs nothing."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return DistInfo(device=device)
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    asks_cuda = device is not None and device.startswith("cuda")
+    want_cuda = (device in (None, "auto") or asks_cuda) and torch.cuda.is_available()
+    if asks_cuda and not torch.cuda.is_available():
+        raise InvalidInputError("--device cuda was asked for, but CUDA is not available")
+    if want_cuda:
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    else:
+        device = "cpu"
+    if not dist.is_initialized():
+        # ranks finish at different times (prompts differ in length); the default timeout (10 min
+        # for nccl) would kill the final gather of a long run
+        dist.init_process_group(
+            backend="nccl" if want_cuda else "gloo", timeout=datetime.timedelta(hours=72)
+        )
+    return DistInfo(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
+
+
+def barrier(info: DistInfo) -> None:
+    """Wait for every rank of a data-parallel run (nothing to wait for in a single process)."""
+    if info.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+# ---- running --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    token_ids: list[int] = field(default_factory=list)
+    turns: int = 0
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    rounds: list[Any] = field(default_factory=list)
+    stop_reason: str = ""
+    trees: list[tuple[Any, Any, int]] = field(default_factory=list)  # (tree, stats, bonus)
+    skipped: str | None = None
+
+
+def _prompt_seed(seed: int, dataset: str, index: int, turn: int) -> int:
+    return (seed * 1_000_003 + zlib.crc32(f"{dataset}/{index}/{turn}".encode())) % (2**63)
+
+
+def _run_prompt(
+    gen: Any,
+    item: Any,
+    spec: MethodSpec,
+    cost_model: Any,
+    temperature: float,
+    config: BenchConfig,
+    dataset: str,
+    index: int,
+    *,
+    keep_trees: bool = False,
+    max_new_tokens: int | None = None,
+) -> _Outcome:
+    """Run one method on one (possibly multi-turn) prompt."""
+    max_new = max_new_tokens or config.max_new_tokens
+    has_template = getattr(gen.tokenizer, "chat_template", None) is not None
+    limit = gen.verifier.max_positions
+    out = _Outcome()
+    messages: list[dict[str, str]] = []
+    raw = ""
+    for turn, text in enumerate(item.turns):
+        if has_template:
+            messages.append({"role": "user", "content": text})
+            prompt_ids = gen.encode(messages)
+        else:
+            raw = f"{raw}{text}" if not raw else f"{raw}\n\n{text}"
+            prompt_ids = gen.encode(raw, chat=False)
+        room = max_new if limit is None else min(max_new, limit - len(prompt_ids))
+        if room < 1:
+            out.skipped = (
+                f"turn {turn + 1} has {len(prompt_ids)} prompt tokens; the model holds {limit}"
+            )
+            break
+        trees: list[tuple[Any, Any]] = []
+        res = gen.generate(
+            prompt_ids,
+            method=spec.family,
+            budget=spec.budget,
+            cost_model=cost_model if spec.needs_cost_model else None,
+            max_budget=config.max_budget,
+            temperature=temperature,
+            max_new_tokens=room,
+            seed=_prompt_seed(config.seed, dataset, index, turn) if temperature > 0 else None,
+            tree_callback=(lambda t, s, acc=trees: acc.append((t, s)))
+            if keep_trees and turn == 0
+            else None,
+        )
+        s = res.stats
+        if trees:  # the bonus of round r is the output token after the previous rounds' tokens
+            at = 0
+            for tree, stats in trees:
+                out.trees.append((tree, stats, res.token_ids[at]))
+                at += stats.committed
+        out.token_ids.extend(res.token_ids)
+        out.turns += 1
+        out.new_tokens += s.new_tokens
+        out.wall_s += s.wall_s
+        out.prefill_s += s.prefill_s
+        out.rounds.extend(s.per_round)
+        out.stop_reason = s.stop_reason
+        if has_template:
+            messages.append({"role": "assistant", "content": res.text})
+        else:
+            raw = f"{raw}{res.text}"
+    return out
+
+
+def generator_dtype(gen: Any) -> str:
+    """The canonical name of the dtype ``gen``'s target runs in (``"bfloat16"``)."""
+    from ..api import dtype_name
+
+    return dtype_name(gen.verifier.dtype)
+
+
+def _tree_records(
+    gen: Any, dataset: str, index: int, spec: MethodSpec, temperature: float, out: _Outcome
+) -> list[dict[str, Any]]:
+    """The rounds with the smallest and the largest non-empty tree, for Figure 6."""
+    rounds = [(i, t) for i, t in enumerate(out.trees) if len(t[0]) > 0]
+    if not rounds:
+        return []
+    small = min(rounds, key=lambda it: (len(it[1][0]), -it[1][1].accepted))
+    large = max(rounds, key=lambda it: (len(it[1][0]), it[1][1].accepted))
+    picked = [small] if small[0] == large[0] else [small, large]
+    tok = gen.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([int(t)]) if tok is not None else str(int(t))
+
+    return [
+        make_tree_record(dataset, index, spec.label, temperature, i, tree, stats, bonus, text)
+        for i, (tree, stats, bonus) in picked
+    ]
+
+
+def _check_meta(out: Path, meta: dict[str, Any], resume: bool) -> None:
+    path = meta_path(out)
+    if not resume or not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        # the guard against mixing settings must not turn off because its record is damaged
+        raise InvalidInputError(
+            f"{path} cannot be read ({exc}), so the results in {out} cannot be checked against "
+            "this run's settings; restore the file, or pass --no-resume to start over"
+        ) from None
+    # an AR-only run has no drafter: adding drafting methods to it later is fine
+    diff = [
+        k
+        for k in RUN_KEYS
+        if k in old
+        and old.get(k) != meta.get(k)
+        and not (k in ("draft", "cost_model_digest") and None in (old.get(k), meta.get(k)))
+    ]
+    if diff:
+        what = ", ".join(f"{k}: {old.get(k)!r} then, {meta.get(k)!r} now" for k in diff)
+        raise InvalidInputError(
+            f"{out} holds results made with other settings ({what}); use another --out, or "
+            "--no-resume to start it over"
+        )
+
+
+def run_bench(
+    gen: Any,
+    config: BenchConfig,
+    out: str | os.PathLike[str],
+    *,
+    cost_model: Any = None,
+    resume: bool = True,
+    progress: bool = True,
+    dist_info: DistInfo | None = None,
+    meta: dict[str, Any] | None = None,
+    ar_generators: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``config`` with the generator ``gen`` (a :class:`caddtree.SpeculativeGenerator`) and
+    write the results to ``out`` (JSON lines). Returns every record of the results file (on rank 0
+    of a distributed run; the other ranks return their own).
+
+    ``ar_generators`` maps a dtype name (``"float32"``) to a generator whose target runs in that
+    dtype (no drafter needed), for the ``ar-<dtype>`` methods; an ``ar-<dtype>`` in the run's own
+    dtype without one uses ``gen``. Each record's ``dtype`` is the dtype its target ran in."""
+    from tqdm.auto import tqdm
+
+    config.validate()
+    info = dist_info or DistInfo()
+    gens = _generators(gen, config.methods, ar_generators or {})
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise InvalidInputError(f"--out {out} is a directory; give a .jsonl file path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    needs_cost = any(s.needs_cost_model for s in config.methods)
+    if needs_cost and cost_model is None:
+        raise InvalidInputError("CaDDTree methods need a cost model")
+    if any(s.family != "ar" for s in config.methods) and gen.proposer is None:
+        raise InvalidInputError("drafting methods need a drafter; load the generator with one")
+    costs = {s.label: variant_cost_model(cost_model, s.variant) for s in config.methods}
+
+    run_meta = dict(meta or {})
+    run_meta.setdefault("max_new_tokens", config.max_new_tokens)
+    run_meta.setdefault("max_budget", config.max_budget)
+    run_meta.setdefault("seed", config.seed)
+    run_meta.setdefault("world_size", info.world)
+    if needs_cost:
+        digest = json.dumps(cost_model.to_dict(), sort_keys=True, default=str)
+        run_meta["cost_model_digest"] = hashlib.sha256(digest.encode()).hexdigest()[:16]
+    _check_meta(out, run_meta, resume)
+    if info.rank == 0:
+        if not resume:
+            for stale in (out, trees_path(out), *rank_files(out), *rank_files(out, True)):
+                stale.unlink(missing_ok=True)
+        _consolidate(out)
+        old = {}
+        if meta_path(out).is_file():
+            with contextlib.suppress(ValueError):
+                old = json.loads(meta_path(out).read_text(encoding="utf-8"))
+        now = datetime.datetime.now().isoformat(timespec="seconds")
+        run_meta["started"] = old.get("started", now) if resume else now
+        run_meta["updated"] = now
+        atomic_write_text(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
+    barrier(info)
+
+    done = {record_key(rec): rec for rec in read_records(out)}
+    items = [
+        (t, dataset, i, item)
+        for t in config.temperatures
+        for dataset, prompts in config.prompts.items()
+        for i, item in enumerate(prompts)
+    ]
+    # split what is left (every rank sees the same results file), so a resumed run stays balanced
+    left = [
+        it
+        for it in items
+        if any((it[1], it[2], s.label, float(it[0])) not in done for s in config.methods)
+    ]
+    mine = left[info.rank :: info.world]
+    todo = [
+        (it, spec)
+        for j, it in enumerate(mine)
+        for spec in _method_order(config.methods, j)
+        if (it[1], it[2], spec.label, float(it[0])) not in done
+    ]
+    part = rank_path(out, info.rank) if info.distributed else out
+    tree_part = rank_path(out, info.rank, trees=True) if info.distributed else trees_path(out)
+    if todo:
+        if config.warmup:  # untimed: one short prompt per method, so no method pays for warm-up
+            t, dataset, i, item = todo[0][0]
+            for spec in config.methods:
+                _run_prompt(
+                    gens[spec.label],
+                    item,
+                    spec,
+                    costs[spec.label],
+                    0.0,
+                    config,
+                    dataset,
+                    i,
+                    max_new_tokens=config.warmup_tokens,
+                )
+        bar = tqdm(
+            total=len(todo),
+            desc=f"bench (rank {info.rank})" if info.distributed else "bench",
+            unit="run",
+            disable=not progress,
+        )
+        # AR of a work item may run after other methods (the order alternates): their records
+        # wait for it, to say whether their output is AR's, and are written when it is known
+        ar_todo = {(it[1], it[2], float(it[0])) for it, spec in todo if spec.label == "ar"}
+        waiting: list[dict[str, Any]] = []
+        with open(part, "a", encoding="utf-8") as fh:
+            for (t, dataset, i, item), spec in todo:
+                bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
+                keep = config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
+                g = gens[spec.label]
+                outcome = _run_prompt(
+                    g, item, spec, costs[spec.label], t, config, dataset, i, keep_trees=keep
+                )
+                rec = make_record(dataset, i, item, spec, t, outcome, generator_dtype(g))
+                if keep:  # before the record: once the record is there, the run is done
+                    with open(tree_part, "a", encoding="utf-8") as tf:
+                        for tr in _tree_records(gen, dataset, i, spec, t, outcome):
+                            tf.write(json.dumps(tr) + "\n")
+                done[record_key(rec)] = rec
+                waiting.append(rec)
+                if spec.label == "ar":
+                    ar_todo.discard((dataset, i, float(t)))
+                waiting = _write_settled(fh, waiting, done, ar_todo)
+                bar.update(1)
+            _write_settled(fh, waiting, done, set())
+        bar.close()
+    if not info.distributed:
+        return list(done.values())
+    return _gather(out, info, list(done.values()))
+
+
+def _method_order(methods: Sequence[MethodSpec], item: int) -> list[MethodSpec]:
+    """The order the methods run in on the ``item``-th work item: as listed on even items,
+    reversed on odd ones, so that no method always runs first (or last) after another."""
+    return list(methods) if item % 2 == 0 else list(reversed(methods))
+
+
+def _write_settled(
+    fh: Any,
+    waiting: list[dict[str, Any]],
+    done: dict[tuple, dict[str, Any]],
+    ar_todo: set[tuple[str, int, float]],
+) -> list[dict[str, Any]]:
+    """Write (and flush) the records of ``waiting`` whose work item has no AR run to come (the
+    keys of ``ar_todo``), with ``matches_ar`` against plain decoding in the run's dtype (for AR
+    in other dtypes too; greedy only). Returns the records still waiting."""
+    left = []
+    for rec in waiting:
+        key = (rec["dataset"], rec["prompt_index"], rec["temperature"])
+        if key in ar_todo:
+            left.append(rec)
+            continue
+        ar = done.get((*key[:2], "ar", key[2]))
+        if ar is not None and rec["temperature"] == 0 and rec["method"] != "ar":
+            rec["matches_ar"] = rec["output_sha"] == ar["output_sha"]
+        fh.write(json.dumps(rec) + "\n")
+    fh.flush()
+    return left
+
+
+def _generators(
+    gen: Any, methods: Sequence[MethodSpec], ar_generators: dict[str, Any]
+) -> dict[str, Any]:
+    """The generator each method runs with (by label): ``gen``, or for ``ar-<dtype>`` the one of
+    ``ar_generators`` in that dtype (``gen`` when there is none and that is the run's dtype)."""
+    main = generator_dtype(gen)
+    out = {}
+    for spec in methods:
+        if spec.dtype in ar_generators:
+            other = ar_generators[spec.dtype]
+            if generator_dtype(other) != spec.dtype:
+                raise InvalidInputError(
+                    f"the generator for {spec.label} runs in {generator_dtype(other)}, not "
+                    f"{spec.dtype}"
+                )
+            out[spec.label] = other
+        elif spec.dtype is None or spec.dtype == main:
+            out[spec.label] = gen
+        else:
+            raise InvalidInputError(
+                f"{spec.label} needs a copy of the target in {spec.dtype} (ar_generators); the "
+                f"run's dtype is {main}"
+            )
+    return out
+
+
+def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Collect every rank's records (and draft trees) on rank 0 with ``gather_object``, which
+    works without a shared file system; rank 0 writes the merged files and the per-rank files go."""
+    import torch.distributed as dist
+
+    trees = read_records(rank_path(out, info.rank, trees=True))
+    gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
+    dist.gather_object((records, trees), gathered, dst=0)
+    if info.rank == 0:
+        merged: dict[tuple, dict[str, Any]] = {}
+        merged_trees = {tree_key(t): t for t in read_records(trees_path(out))}
+        for recs, trs in gathered:
+            merged.update((record_key(r), r) for r in recs)
+            merged_trees.update((tree_key(t), t) for t in trs)
+        records = sorted(
+            merged.values(), key=lambda r: (r["temperature"], r["dataset"], r["prompt_index"])
+        )
+        write_jsonl(out, records)
+        if merged_trees:
+            write_jsonl(trees_path(out), merged_trees.values())
+    dist.barrier()  # the merged file is complete before any per-rank file goes
+    rank_path(out, info.rank).unlink(missing_ok=True)
+    rank_path(out, info.rank, trees=True).unlink(missing_ok=True)
+    return records

@@ -1,0 +1,453 @@
+"""The FastAPI application: OpenAI's completion endpoints on one :class:`SpeculativeGenerator`.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming, as server-sent
+events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+A request is checked and its prompt tokenized on the event loop (a bad one gets its 400 at once,
+without queueing), then queued for the single generation worker (:mod:`caddtree.serve.engine`). The
+handler waits for the job's first event (the prefill) before answering, so an error that
+``generate`` raises still becomes a proper HTTP error, even for a streaming request; a client
+that goes away meanwhile cancels its job. Errors are OpenAI's ``{"error": {...}}`` bodies: 400 for
+a bad request (``caddtree.errors.CaddtreeError`` from ``generate`` included), 404 for an unknown
+model, 503 with ``Retry-After`` when the queue is full, 500 for anything unexpected; the server
+stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import CaddtreeError, InvalidInputError
+from .engine import Engine, Job, QueueFull, ShuttingDown, finish_reason
+from .metrics import ServerMetrics
+from .protocol import (
+    GenerationRequest,
+    OpenAIError,
+    StopText,
+    chunk_body,
+    completion_body,
+    cut_at_stop,
+    error_body,
+    finite,
+    new_id,
+    parse_request,
+    usage,
+)
+
+__all__ = ["build_app"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # how often a waiting handler checks whether its client is still there
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(body: Any) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def build_app(
+    generator: Any,
+    *,
+    model_name: str,
+    method: str = "caddtree",
+    budget: int | None = None,
+    max_budget: int = 1024,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    max_queue: int = 8,
+    retry_after_s: int = 1,
+    on_round: Any = None,
+) -> FastAPI:
+    """The OpenAI-compatible app serving ``generator`` (a loaded
+    :class:`~caddtree.api.SpeculativeGenerator` with a tokenizer) under the name ``model_name``.
+
+    Defaults for requests that leave a field out: ``method``; ``budget``, ddtree's node budget
+    (64 when ``None``); ``max_budget``, caddtree's largest tree; ``max_new_tokens`` (``max_tokens``,
+    lowered to what the model's context has room for); ``temperature`` (OpenAI's default is 1).
+    A caddtree request uses ``generator.cost_model`` unless it names a cost-model file.
+    ``max_queue`` requests may wait while one generates; one more gets HTTP 503 with
+    ``Retry-After: retry_after_s``. ``on_round(job)`` is a test hook, called by the worker thread
+    after every round.
+    """
+    if getattr(generator, "tokenizer", None) is None:
+        raise InvalidInputError("serving needs a generator with a tokenizer")
+    proposer = getattr(generator, "proposer", None)
+    positions = max(int(getattr(proposer, "block_size", 1)) - 1, 0) if proposer else 0
+    metrics = ServerMetrics(model_name, positions)
+    engine = Engine(generator, metrics, max_queue=max_queue, on_round=on_round)
+    context_limit = getattr(getattr(generator, "verifier", None), "max_positions", None)
+    default_budget = 64 if budget is None else int(budget)
+    cost_models: dict[str, tuple[float, Any]] = {}  # path -> (mtime, model)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="caddtree serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.model_name = model_name
+
+    # ---- errors ---------------------------------------------------------------------------------
+
+    def error_response(exc: OpenAIError) -> JSONResponse:
+        if exc.status == 503 and exc.code == "queue_full":
+            metrics.request_rejected()
+        else:
+            metrics.request_error("invalid_request" if exc.status < 500 else "server_error")
+        return _json(exc.body(), exc.status, exc.headers)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _json(error_body(str(exc.detail), kind), exc.status_code, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in a request", exc_info=exc)
+        metrics.request_error("server_error")
+        return _json(error_body(f"internal server error: {exc}", "server_error"), 500)
+
+    def generate_error(exc: BaseException) -> OpenAIError:
+        """The HTTP error for an exception the worker got from ``generate``."""
+        if isinstance(exc, ShuttingDown):
+            return OpenAIError(str(exc), status=503, code="shutting_down")
+        if isinstance(exc, CaddtreeError):
+            return OpenAIError(str(exc), status=400)
+        return OpenAIError(f"internal server error: {exc}", status=500, code="internal_error")
+
+    # ---- turning a request into a job ---------------------------------------------------------------
+
+    def cost_model_file(path: str) -> Any:
+        from ..cost import load_cost_model
+
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError as exc:
+            raise OpenAIError(
+                f"cost_model {path!r}: {exc.strerror or exc}", param="cost_model"
+            ) from None
+        cached = cost_models.get(path)
+        if cached is None or cached[0] != mtime:
+            try:
+                cached = (mtime, load_cost_model(path))
+            except CaddtreeError as exc:
+                raise OpenAIError(f"cost_model: {exc}", param="cost_model") from None
+            cost_models[path] = cached
+        return cached[1]
+
+    def encode(req: GenerationRequest) -> list[int]:
+        extra = {"chat_template_kwargs": req.chat_template_kwargs or None}
+        try:
+            if req.kind == "chat":
+                ids = generator.encode(req.prompt, chat=True, **extra)
+            else:
+                ids = generator.encode(req.prompt, chat=False)
+        except CaddtreeError as exc:
+            raise OpenAIError(
+                str(exc), param="messages" if req.kind == "chat" else "prompt"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects the roles
+            raise OpenAIError(
+                f"cannot tokenize the {'messages' if req.kind == 'chat' else 'prompt'}: {exc}",
+                param="messages" if req.kind == "chat" else "prompt",
+            ) from None
+        if not ids:
+            raise OpenAIError("the prompt is empty", param="prompt")
+        return [int(t) for t in ids]
+
+    def generate_kwargs(req: GenerationRequest, n_prompt: int) -> dict[str, Any]:
+        run = req.method or method
+        max_tokens = req.max_tokens
+        if context_limit is not None:
+            room = context_limit - n_prompt
+            if room <= 0:
+                raise OpenAIError(
+                    f"the prompt has {n_prompt} tokens but the model's context holds "
+                    f"{context_limit}; shorten it",
+                    param="messages" if req.kind == "chat" else "prompt",
+                    code="context_length_exceeded",
+                )
+            if max_tokens is None:
+                max_tokens = min(max_new_tokens, room)
+            elif max_tokens > room:
+                raise OpenAIError(
+                    f"the model's context holds {context_limit} tokens, but {n_prompt} prompt "
+                    f"tokens plus max_tokens {max_tokens} need {n_prompt + max_tokens}; lower "
+                    f"max_tokens to at most {room}",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+        elif max_tokens is None:
+            max_tokens = max_new_tokens
+        kwargs: dict[str, Any] = {
+            "method": run,
+            "max_new_tokens": max_tokens,
+            "temperature": temperature if req.temperature is None else req.temperature,
+            "top_p": req.top_p,
+            "seed": req.seed,
+        }
+        if run == "ddtree":
+            kwargs["budget"] = req.budget if req.budget is not None else default_budget
+        if run == "caddtree":
+            kwargs["max_budget"] = req.max_budget if req.max_budget is not None else max_budget
+            if req.cost_model is not None:
+                kwargs["cost_model"] = cost_model_file(req.cost_model)
+            elif getattr(generator, "cost_model", None) is None:
+                raise OpenAIError(
+                    "method 'caddtree' needs a cost model: this server has none (start it with "
+                    "--method caddtree or --cost-model), so give cost_model (a file on the "
+                    "server) or another method",
+                    param="method",
+                )
+        elif req.max_budget is not None:
+            raise OpenAIError(
+                f"max_budget only applies to method 'caddtree', not {run!r}", param="max_budget"
+            )
+        if req.ignore_eos:
+            kwargs["stop_token_ids"] = ()
+        kwargs.update(
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            stop=req.stop or None,
+        )
+        return kwargs
+
+    async def next_event(job: Job, request: Request) -> tuple[str, Any]:
+        """The job's next event; cancels the job if the client goes away meanwhile."""
+        get = asyncio.ensure_future(job.events.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=_POLL_S)
+                if done:
+                    return get.result()
+                if await request.is_disconnected():
+                    engine.cancel(job)
+                    raise _ClientGone
+        finally:
+            if not get.done():
+                get.cancel()
+
+    async def handle(request: Request, kind: str) -> Response:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
+        req = parse_request(body, kind)
+        if req.model is not None and req.model != model_name:
+            raise OpenAIError(
+                f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        prompt_ids = encode(req)
+        kwargs = generate_kwargs(req, len(prompt_ids))
+        job = Job(prompt_ids, kwargs, stream=req.stream)
+        try:
+            engine.submit(job)
+        except QueueFull:
+            raise OpenAIError(
+                f"the server is busy: {engine.max_queue} requests are waiting already; retry "
+                f"after {retry_after_s} s",
+                status=503,
+                code="queue_full",
+                headers={"Retry-After": str(retry_after_s)},
+            ) from None
+        except ShuttingDown as exc:
+            raise generate_error(exc) from None
+        try:
+            first = await next_event(job, request)
+        except _ClientGone:
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            engine.cancel(job)
+            raise
+        if first[0] == "error":
+            raise generate_error(first[1])
+        if first[0] == "cancelled":
+            return Response(status_code=499)
+        request_id = new_id(kind)
+        if req.stream:
+            return _JobStream(stream(req, job, first, request_id), engine, job)
+        event = first
+        try:
+            while event[0] not in ("done", "error", "cancelled"):
+                event = await next_event(job, request)
+        except _ClientGone:
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            engine.cancel(job)
+            raise
+        if event[0] == "error":
+            raise generate_error(event[1])
+        if event[0] == "cancelled":
+            return Response(status_code=499)
+        result = event[1]
+        text, _ = cut_at_stop(result.text, req.stop)
+        stats = dict(result.stats.to_dict(), queue_time_s=(job.started or 0.0) - job.arrival)
+        return _json(
+            completion_body(
+                kind,
+                request_id,
+                model_name,
+                text,
+                finish_reason(result.stats.stop_reason),
+                usage(len(result.prompt_ids), len(result.token_ids)),
+                stats,
+            )
+        )
+
+    async def stream(
+        req: GenerationRequest, job: Job, first: tuple[str, Any], request_id: str
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streaming request, from its job's events."""
+        kind = req.kind
+        created_at = int(time.time())
+        stops = StopText(req.stop)
+        usage_flag = req.include_usage
+
+        def chunk(**fields: Any) -> str:
+            return _sse(
+                chunk_body(
+                    kind, request_id, created_at, model_name, include_usage=usage_flag, **fields
+                )
+            )
+
+        try:
+            if kind == "chat":
+                yield chunk(text="", role=True)
+            event = first
+            while True:
+                if event[0] == "text":
+                    piece = stops.push(event[1])
+                    if piece:
+                        yield chunk(text=piece)
+                elif event[0] == "done":
+                    result = event[1]
+                    rest = stops.finish(result.text)
+                    if rest:
+                        yield chunk(text=rest)
+                    stats = dict(
+                        result.stats.to_dict(), queue_time_s=(job.started or 0.0) - job.arrival
+                    )
+                    last = chunk_body(
+                        kind,
+                        request_id,
+                        created_at,
+                        model_name,
+                        text="" if kind == "completion" else None,
+                        finish=finish_reason(result.stats.stop_reason),
+                        include_usage=usage_flag,
+                    )
+                    last["caddtree"] = finite(stats)
+                    yield _sse(last)
+                    if usage_flag:
+                        yield _sse(
+                            {
+                                "id": request_id,
+                                "object": last["object"],
+                                "created": created_at,
+                                "model": model_name,
+                                "choices": [],
+                                "usage": usage(len(result.prompt_ids), len(result.token_ids)),
+                            }
+                        )
+                    break
+                elif event[0] == "error":
+                    err = generate_error(event[1])
+                    metrics.request_error("invalid_request" if err.status < 500 else "server_error")
+                    yield _sse(err.body())
+                    break
+                elif event[0] == "cancelled":
+                    break
+                event = await job.events.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            if not job.finished:
+                engine.cancel(job)
+
+    # ---- routes ---------------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completion")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card: dict[str, Any] = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "caddtree",
+        }
+        if context_limit is not None:
+            card["max_model_len"] = context_limit
+        return _json({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            return _json({"status": "unavailable"}, 503)
+        return _json({"status": "ok", "running": engine.running, "waiting": engine.waiting})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        text = metrics.render(running=engine.running, waiting=engine.waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+class _JobStream(StreamingResponse):
+    """A server-sent-event stream that cancels its job however the response ends (the client
+    disconnecting included)."""
+
+    def __init__(self, content: AsyncIterator[str], engine: Engine, job: Job):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._engine = engine
+        self._job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._job.finished:
+                self._engine.cancel(self._job)

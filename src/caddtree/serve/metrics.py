@@ -1,0 +1,311 @@
+"""The server's counters, gauges and histograms, written out in the Prometheus text format.
+
+Names follow vLLM's where vLLM has the quantity (``vllm:prompt_tokens_total`` becomes
+``caddtree:prompt_tokens_total``), so dashboards and scrapers written for vLLM need only the prefix
+changed; the tree-specific ones (mean tree budget, decode speed) are caddtree's own. Every sample
+carries the ``model_name`` label, as vLLM's do. Speculative-decoding terms:
+
+* a *draft* is one round in which the drafter ran (every round of dflash, ddtree and caddtree but
+  the last one of a generation that has one token left to make; AR rounds have none);
+* its *draft tokens* are the tree's nodes (the chain's length for dflash), its *accepted tokens*
+  the nodes on the accepted path, at depths 1..k, counted per *position* 0..k-1 as vLLM does.
+
+Plain Python, no web framework: the worker thread reports into a :class:`ServerMetrics` and the
+``/metrics`` endpoint calls :meth:`ServerMetrics.render`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["PREFIX", "FINISH_REASONS", "Histogram", "ServerMetrics"]
+
+PREFIX = "caddtree:"
+FINISH_REASONS = ("stop", "length", "abort")
+ERROR_KINDS = ("invalid_request", "server_error")
+
+# Seconds. Like vLLM's, from a millisecond up to minutes: a CPU target takes tens of milliseconds a
+# forward, a long answer from a queued request tens of seconds.
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    """A sample value as the text format writes it (``NaN``, ``+Inf``, integers without ``.0``)."""
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
+class Histogram:
+    """Cumulative buckets, a sum and a count, as a Prometheus histogram."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS):
+        self.buckets = tuple(sorted(float(b) for b in buckets))
+        self.counts = [0] * len(self.buckets)  # per bucket, not cumulative
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        value = float(value)
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        self.sum += value
+        self.count += 1
+
+    def samples(self, name: str, labels: str) -> Iterable[str]:
+        running = 0
+        for bound, count in zip(self.buckets, self.counts):
+            running += count
+            yield f'{name}_bucket{{{labels},le="{_number(bound)}"}} {running}'
+        yield f'{name}_bucket{{{labels},le="+Inf"}} {self.count}'
+        yield f"{name}_sum{{{labels}}} {_number(self.sum)}"
+        yield f"{name}_count{{{labels}}} {self.count}"
+
+
+class ServerMetrics:
+    """Everything ``/metrics`` shows; thread-safe (the worker thread writes, the server reads).
+
+    ``positions`` is the number of draft positions (the drafter's block size minus one; 0 without
+    a drafter): their per-position counters are shown from the start, at 0.
+    """
+
+    def __init__(self, model_name: str, positions: int = 0):
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.errors = dict.fromkeys(ERROR_KINDS, 0)
+        self.rejected = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.rounds = 0
+        self.drafts = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.accepted_per_pos = [0] * max(int(positions), 0)
+        self.decode_tokens = 0
+        self.decode_s = 0.0
+        self.ttft = Histogram()
+        self.e2e = Histogram()
+        self.queue_time = Histogram()
+
+    # ---- what the worker and the endpoints report ---------------------------------------------
+
+    def request_rejected(self) -> None:
+        """A request found the queue full (HTTP 503)."""
+        with self._lock:
+            self.rejected += 1
+
+    def request_error(self, kind: str) -> None:
+        """A request ended in an error response: ``invalid_request`` (4xx) or ``server_error``."""
+        with self._lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def prefill_done(self, prompt_tokens: int, queue_s: float, ttft_s: float) -> None:
+        """A request's prompt was prefilled and its first token chosen."""
+        with self._lock:
+            self.prompt_tokens += int(prompt_tokens)
+            self.queue_time.observe(queue_s)
+            self.ttft.observe(ttft_s)
+
+    def tokens_generated(self, count: int) -> None:
+        with self._lock:
+            self.generation_tokens += int(count)
+
+    def round_done(self, method: str, stats: Any) -> None:
+        """One verification round (a :class:`~caddtree.decoding.RoundStats`) of ``method``."""
+        with self._lock:
+            self.rounds += 1
+            confidence = getattr(stats, "confidence", math.nan)
+            drafted = method != "ar" and (
+                stats.budget > 0 or not (isinstance(confidence, float) and math.isnan(confidence))
+            )
+            if not drafted:
+                return
+            accepted = int(stats.accepted)
+            self.drafts += 1
+            self.draft_tokens += int(stats.budget)
+            self.accepted_tokens += accepted
+            if accepted > len(self.accepted_per_pos):
+                self.accepted_per_pos.extend([0] * (accepted - len(self.accepted_per_pos)))
+            for pos in range(accepted):
+                self.accepted_per_pos[pos] += 1
+
+    def request_finished(
+        self,
+        finish_reason: str,
+        e2e_s: float,
+        new_tokens: int = 0,
+        wall_s: float = 0.0,
+        prefill_s: float = 0.0,
+    ) -> None:
+        """A request ended: ``stop`` / ``length`` (completed; its decode speed is counted) or
+        ``abort`` (its client went away)."""
+        with self._lock:
+            self.success[finish_reason] = self.success.get(finish_reason, 0) + 1
+            self.e2e.observe(e2e_s)
+            if finish_reason != "abort" and new_tokens > 1 and wall_s > prefill_s:
+                self.decode_tokens += int(new_tokens) - 1
+                self.decode_s += float(wall_s) - float(prefill_s)
+
+    # ---- the exposition -----------------------------------------------------------------------
+
+    def render(self, *, running: int, waiting: int) -> str:
+        """The Prometheus text exposition (format 0.0.4) of every metric."""
+        lines: list[str] = []
+        model = f'model_name="{_escape_label(self.model_name)}"'
+        name = ""
+
+        def family(metric: str, kind: str, help_text: str) -> None:
+            nonlocal name
+            name = PREFIX + metric
+            lines.append(f"# HELP {name} {_escape_help(help_text)}")
+            lines.append(f"# TYPE {name} {kind}")
+
+        def sample(value: float, extra: str = "") -> None:
+            labels = model + ("," + extra if extra else "")
+            lines.append(f"{name}{{{labels}}} {_number(value)}")
+
+        def ratio(num: float, den: float) -> float:
+            return num / den if den else math.nan
+
+        with self._lock:
+            family("num_requests_running", "gauge", "Requests being generated now (0 or 1).")
+            sample(running)
+            family(
+                "num_requests_waiting",
+                "gauge",
+                "Requests queued for the generation worker (bounded by --max-queue).",
+            )
+            sample(waiting)
+            family(
+                "request_success_total",
+                "counter",
+                "Requests finished, by finish reason: stop (a stop token or string), length "
+                "(max_tokens reached) or abort (the client disconnected; generation was cancelled).",
+            )
+            for reason, count in self.success.items():
+                sample(count, f'finished_reason="{_escape_label(reason)}"')
+            family(
+                "num_requests_rejected_total",
+                "counter",
+                "Requests refused with HTTP 503 because the queue was full.",
+            )
+            sample(self.rejected)
+            family(
+                "request_errors_total",
+                "counter",
+                "Requests answered with an error: invalid_request (HTTP 4xx) or server_error "
+                "(HTTP 5xx, queue-full refusals excluded).",
+            )
+            for kind, count in self.errors.items():
+                sample(count, f'type="{_escape_label(kind)}"')
+            family("prompt_tokens_total", "counter", "Prompt tokens prefilled.")
+            sample(self.prompt_tokens)
+            family(
+                "generation_tokens_total",
+                "counter",
+                "Tokens generated, those of cancelled requests included.",
+            )
+            sample(self.generation_tokens)
+            family(
+                "num_rounds_total",
+                "counter",
+                "Verification rounds (target forward passes after the prefill), all methods.",
+            )
+            sample(self.rounds)
+            family(
+                "spec_decode_num_drafts_total",
+                "counter",
+                "Rounds in which the drafter proposed a draft (dflash, ddtree, caddtree).",
+            )
+            sample(self.drafts)
+            family(
+                "spec_decode_num_draft_tokens_total",
+                "counter",
+                "Draft tokens verified: the nodes of every draft tree (the chain for dflash).",
+            )
+            sample(self.draft_tokens)
+            family(
+                "spec_decode_num_accepted_tokens_total",
+                "counter",
+                "Draft tokens accepted by the target (the accepted path; bonus tokens excluded).",
+            )
+            sample(self.accepted_tokens)
+            family(
+                "spec_decode_num_accepted_tokens_per_pos_total",
+                "counter",
+                "Drafts whose accepted path reached draft position `position` (0 = the first "
+                "drafted token, at tree depth 1); divide by spec_decode_num_drafts_total for the "
+                "per-position acceptance rate.",
+            )
+            for pos, count in enumerate(self.accepted_per_pos):
+                sample(count, f'position="{pos}"')
+            family(
+                "mean_acceptance_length",
+                "gauge",
+                "Tokens committed per draft, bonus token included: 1 + accepted / drafts, since "
+                "start (NaN before the first draft).",
+            )
+            sample(1 + ratio(self.accepted_tokens, self.drafts) if self.drafts else math.nan)
+            family(
+                "draft_acceptance_rate",
+                "gauge",
+                "Accepted draft tokens / draft tokens, since start: the share of tree nodes the "
+                "target accepted (NaN before the first draft).",
+            )
+            sample(ratio(self.accepted_tokens, self.draft_tokens))
+            family(
+                "mean_tree_budget",
+                "gauge",
+                "Mean draft-tree size (nodes verified per draft), since start (NaN before the first "
+                "draft).",
+            )
+            sample(ratio(self.draft_tokens, self.drafts))
+            family(
+                "decode_tokens_per_second",
+                "gauge",
+                "Decode speed of completed requests since start: tokens after the first one, over "
+                "the generation time after the prefill (NaN before the first such request).",
+            )
+            sample(ratio(self.decode_tokens, self.decode_s))
+            for metric, hist, help_text in (
+                (
+                    "time_to_first_token_seconds",
+                    self.ttft,
+                    "Time from the request's arrival (queue time included) to its first token.",
+                ),
+                (
+                    "e2e_request_latency_seconds",
+                    self.e2e,
+                    "Time from the request's arrival to the end of its generation.",
+                ),
+                (
+                    "request_queue_time_seconds",
+                    self.queue_time,
+                    "Time a request waited in the queue before its generation started.",
+                ),
+            ):
+                family(metric, "histogram", help_text)
+                lines.extend(hist.samples(name, model))
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,251 @@
+"""``caddtree serve``: load the models once, then serve them over HTTP with uvicorn.
+
+:func:`add_arguments` declares the options on an ``argparse`` parser, :func:`main` parses them and
+runs the server until Ctrl-C (or SIGTERM). Loading is the ``caddtree generate`` command's: the
+built-in pair without ``--target``/``--draft`` (:func:`caddtree.defaults.resolve_model_pair`),
+then :meth:`SpeculativeGenerator.from_pretrained`, then, for ``--method caddtree`` without
+``--cost-model``, the cost model profiled once for this machine and cached
+(:meth:`SpeculativeGenerator.cached_cost_model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..checks import METHODS, check_int
+from ..errors import CaddtreeError, InvalidInputError
+
+__all__ = ["add_arguments", "load_generator", "main"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare ``caddtree serve``'s options on ``parser`` (and return it)."""
+    parser.add_argument(
+        "--target", help="target model: a local directory or hub id (default: built-in SmolLM2)"
+    )
+    parser.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64"
+    )
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    parser.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="caddtree",
+        help="decoding method of a request that names none (a request may pick another with its "
+        "'method' field; default caddtree)",
+    )
+    parser.add_argument(
+        "--budget", type=int, help="node budget of a ddtree request that gives none (default 64)"
+    )
+    parser.add_argument(
+        "--max-budget", type=int, default=1024, help="largest CaDDTree tree (default 1024)"
+    )
+    parser.add_argument(
+        "--cost-model",
+        help="cost-model file for caddtree (JSON or published .pt); default: profile this machine "
+        "once and cache the result",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="requests that may wait while one generates; one more gets HTTP 503 with "
+        f"Retry-After (default {DEFAULT_MAX_QUEUE})",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="max_tokens of a request that gives none (default 256; never more than the model's "
+        "context has room for)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="temperature of a request that gives none (default 1, as OpenAI's API; 0 = greedy)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        help="the model name clients send and /v1/models lists (default: --target as given, or "
+        "the built-in target's name)",
+    )
+    parser.add_argument(
+        "--retry-after",
+        type=int,
+        default=1,
+        help="seconds a refused client is told to wait (Retry-After; default 1)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default info: one access line per request)",
+    )
+    return parser
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Everything that needs no model, before the slow loading."""
+    import torch
+
+    from ..api import check_tree_budgets, resolve_dtype
+    from ..cost import load_cost_model
+
+    if args.target is not None and args.method != "ar" and args.draft is None:
+        raise InvalidInputError(
+            f"--method {args.method} needs --draft (a DFlash checkpoint); or use --method ar"
+        )
+    if args.budget is not None:
+        check_tree_budgets(
+            "ddtree", args.budget, args.max_budget, names=("--budget", "--max-budget")
+        )
+    check_int("--max-budget", args.max_budget)
+    check_int("--max-new-tokens", args.max_new_tokens)
+    check_int("--max-queue", args.max_queue, minimum=0)
+    check_int("--retry-after", args.retry_after, minimum=0)
+    if not 0 <= args.port <= 65535:
+        raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= 2):
+        raise InvalidInputError(f"--temperature must be in [0, 2], got {args.temperature}")
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    if args.cost_model is not None:
+        args.cost_model = load_cost_model(args.cost_model)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (before loading anything: a port in use fails fast)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, IndexError) as exc:
+        raise InvalidInputError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)  # clients that connect before uvicorn is up wait in the backlog
+    except OSError as exc:
+        sock.close()
+        raise CaddtreeError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
+            "there? pick another --port)"
+        ) from None
+    return sock
+
+
+def load_generator(args: argparse.Namespace) -> tuple[Any, str]:
+    """Load the models ``args`` name (as ``caddtree generate`` does) and, for ``--method
+    caddtree``, obtain the cost model once. Returns the generator and the name to serve it under."""
+    from ..api import SpeculativeGenerator
+    from ..defaults import DEFAULT_TARGET_NAME, resolve_model_pair
+
+    name = args.served_model_name or (
+        DEFAULT_TARGET_NAME if args.target is None else str(args.target)
+    )
+    target, draft, dtype = resolve_model_pair(args.target, args.draft, args.dtype)
+    gen = SpeculativeGenerator.from_pretrained(
+        target, draft, dtype=dtype, device=args.device, cost_model=args.cost_model
+    )
+    if args.method == "caddtree" and gen.cost_model is None:
+        gen.cost_model = gen.cached_cost_model()
+    return gen, name
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/v1"
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load, then serve until interrupted (``args`` from a parser given :func:`add_arguments`)."""
+    import uvicorn
+
+    from .app import build_app
+
+    _check_arguments(args)
+    sock = _listen(args.host, args.port)
+    try:
+        gen, name = load_generator(args)
+        app = build_app(
+            gen,
+            model_name=name,
+            method=args.method,
+            budget=args.budget,
+            max_budget=args.max_budget,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            max_queue=args.max_queue,
+            retry_after_s=args.retry_after,
+        )
+        config = uvicorn.Config(
+            app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"
+        )
+        server = uvicorn.Server(config)
+        print(f"caddtree: serving {name} at {_url(sock)}", file=sys.stderr, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it stopped on
+            server.run(sockets=[sock])
+        print("caddtree: server stopped", file=sys.stderr)
+    finally:
+        sock.close()
+    return 0
+
+
+def _show_library_log() -> None:
+    """The library's messages (model conversion, profiling) on stderr, as ``caddtree`` shows them."""
+    try:
+        from ..cli import _install_log_handler
+    except ImportError:  # pragma: no cover - the command line's helper moved
+        logging.basicConfig(level=logging.INFO, format="caddtree: %(message)s")
+    else:
+        _install_log_handler()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``caddtree serve [options]``: returns the exit status: 0 after a clean shutdown (Ctrl-C;
+    SIGTERM ends the process as uvicorn does, by the signal), 2 with a ``caddtree: error: ...``
+    line for a bad option, a model that does not load or a busy port, 130 when interrupted while
+    loading."""
+    parser = add_arguments(
+        argparse.ArgumentParser(
+            prog="caddtree serve",
+            description="Serve a target and its DFlash drafter with an OpenAI-compatible API "
+            "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).",
+        )
+    )
+    args = parser.parse_args(None if argv is None else list(argv))
+    _show_library_log()
+    try:
+        return serve(args)
+    except CaddtreeError as exc:
+        print(f"caddtree: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("caddtree: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,53 @@
+"""Train a DFlash drafter for a given target (the recipe reported for the released drafters).
+
+==============  ===================================================================================
+``prompts``     training prompts from sources that are not benchmarks, benchmark overlap dropped
+``magpie``      prompts the target writes itself (Magpie), and users' prompt files
+``data``        stage 1: the frozen target's responses (``data.safetensors``); draft vocabulary
+``features``    stage 2: the target's context features of every token (``features.safetensors``)
+``trainer``     stage 3: anchor-block loss, AdamW, checkpoints in the released format
+                (``checkpoint/``)
+==============  ===================================================================================
+
+Each stage is cached in the output directory, so an interrupted run resumes where it stopped.
+
+The names in ``__all__`` can be imported from this package (``from caddtree.train import
+train_drafter``); each one loads only the module that defines it, so reading prompts does not
+import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "TrainingData": "data",
+    "chat_prompt_ids": "data",
+    "choose_draft_vocab": "data",
+    "draft_vocab_coverage": "data",
+    "generate_responses": "data",
+    "prepare_data": "data",
+    "target_fingerprint": "data",
+    "compute_features": "features",
+    "TrainConfig": "trainer",
+    "build_training_batch": "trainer",
+    "load_trained_drafter": "trainer",
+    "split_samples": "trainer",
+    "train_drafter": "trainer",
+    "build_training_prompts": "prompts",
+    "training_prompts": "prompts",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
