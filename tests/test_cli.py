@@ -459,6 +459,24 @@ def test_importing_the_cli_loads_no_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["generate", "--help"], ["tree-demo", "--rounds", "2", "--vocab", "300"]],
+)
+def test_help_and_tree_demo_load_no_torch(argv):
+    """`caddtree --help`, a sub-command's help and the numpy-only tree demo answer without
+    torch (issue 11 §4): the parser takes its choices from caddtree.checks, not from decoding."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from caddtree.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        f"    status = main({argv!r})\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_ctrl_c_while_starting_up_is_one_line(capsys, monkeypatch):
     import caddtree.cli
 

@@ -262,6 +262,8 @@ def test_eos_and_stop_strings_end_where_generate_ends(target, drafter, tokenizer
         tokenizer=tokenizer,
     )
     assert out[0, len(PROMPT) :].tolist() == reference_stop
+    with pytest.raises(InvalidInputError, match="takes generation settings in generation_config="):
+        caddtree.hf.generate(target, torch.tensor([PROMPT]), method="ar", max_new_tokens=3)
 
 
 # ---- sampling: the processed target's tokens and distribution -------------------------------------

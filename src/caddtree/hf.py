@@ -207,9 +207,12 @@ def _check_request(input_ids: Any, config: Any, model_kwargs: dict[str, Any]) ->
         k for k, v in model_kwargs.items() if v is not None and k not in _PREPARED_KWARGS
     )
     if other:
+        hint = ""
+        if any(hasattr(config, k) for k in other):  # generation settings, in a direct call
+            hint = "; called directly, it takes generation settings in generation_config="
         raise InvalidInputError(
             f"caddtree.hf.generate does not support the model inputs {', '.join(other)}; "
-            "it takes input_ids (and an all-ones attention_mask) only"
+            f"it takes input_ids (and an all-ones attention_mask) only{hint}"
         )
 
 
