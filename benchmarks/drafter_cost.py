@@ -25,8 +25,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from caddtree.api import resolve_dtype
 from caddtree.defaults import default_target_dir
+from caddtree.devices import resolve_dtype
 from caddtree.models import DFlashDraftModel, DFlashProposer
 from caddtree.models.target import TreeVerifier
 

@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
-    from caddtree.api import SpeculativeGenerator, dtype_name
+    from caddtree.api import SpeculativeGenerator
     from caddtree.defaults import resolve_model_pair
+    from caddtree.devices import dtype_name
 
     target, draft, dtype = resolve_model_pair(None, None, args.dtype)
     gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device=args.device)

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from caddtree.decoding import METHODS, RoundStats
+from caddtree.checks import METHODS
+from caddtree.decoding import RoundStats
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -150,7 +151,7 @@ def main() -> None:
         type=int,
         nargs="*",
         help="positions per projection call, in order, the rest in one more call (see "
-        "caddtree.models.dflash.DraftLogits); none: the whole block at once. Default: the "
+        "caddtree.models.proposer.DraftLogits); none: the whole block at once. Default: the "
         "proposer's own",
     )
     args = parser.parse_args()

@@ -249,7 +249,7 @@ def compare_ar_argv(dirs, *extra):
 
 
 def test_ar_baseline_dtypes_rule():
-    from caddtree.api import ar_baseline_dtypes
+    from caddtree.devices import ar_baseline_dtypes
     from caddtree.errors import InvalidInputError
 
     bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64

@@ -19,7 +19,8 @@ from caddtree import (
     build_caddtree,
     load_cost_model,
 )
-from caddtree.cost import PiecewiseLinearCurve, fit_convex_nondecreasing
+from caddtree.cost import PiecewiseLinearCurve
+from caddtree.cost_fit import fit_convex_nondecreasing
 
 
 def is_convex_nondecreasing(x: np.ndarray, f: np.ndarray, tol: float) -> bool:

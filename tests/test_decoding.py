@@ -13,8 +13,9 @@ from scipy.stats import chisquare
 
 from caddtree import ConstantCostModel, ConvexCostModel, InvalidInputError
 from caddtree.cost import PiecewiseLinearCurve
-from caddtree.decoding import Proposer, Sampler, decode, make_policy
+from caddtree.decoding import Proposer, decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
+from caddtree.sampling import Sampler
 from oracle import OracleProposer
 from tiny_models import (
     FEATURE_LAYER_IDS,

@@ -26,8 +26,8 @@ from transformers.generation.streamers import BaseStreamer
 import caddtree
 import caddtree.hf
 from caddtree import InvalidInputError, SpeculativeGenerator
-from caddtree.decoding import Sampler
 from caddtree.hf import CaddtreeGenerateOutput
+from caddtree.sampling import Sampler
 from test_sampling import COST, allowed_sets, char_stop, chi_square_pvalue, hf_generate
 from tiny_models import MASK_TOKEN_ID, VOCAB, llama_target, new_drafter, qwen3_target
 from tiny_tokenizer import tiny_tokenizer

@@ -13,7 +13,7 @@ from caddtree import ConvexCostModel, InvalidInputError, build_caddtree, build_c
 from caddtree.cost import PiecewiseLinearCurve
 from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
-from caddtree.models.dflash import PROJECTION_STEPS, DraftLogits
+from caddtree.models.proposer import PROJECTION_STEPS, DraftLogits
 from caddtree.tree import DraftRows
 from tiny_models import FEATURE_LAYER_IDS, new_drafter, qwen3_target
 

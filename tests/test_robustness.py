@@ -25,14 +25,14 @@ from hypothesis.extra import numpy as hnp
 
 from caddtree import (
     ConvexCostModel,
-    api,
     build_caddtree,
+    checks,
     load_cost_model,
     surrogate_throughput,
     topk_log_probs,
 )
 from caddtree.api import SpeculativeGenerator
-from caddtree.decoding import METHODS
+from caddtree.checks import METHODS
 from caddtree.errors import CaddtreeError, CheckpointError, InvalidInputError
 from caddtree.files import atomic_write_text
 from caddtree.models import DFlashDraftModel, DFlashProposer
@@ -184,26 +184,29 @@ def test_the_kv_caches_are_released_after_the_call(gen):
 
 
 def test_huge_budgets_are_refused_before_any_work(gen, cost):
-    with pytest.raises(InvalidInputError, match=f"above the limit of {api.MAX_TREE_NODES} nodes"):
+    with pytest.raises(
+        InvalidInputError, match=f"above the limit of {checks.MAX_TREE_NODES} nodes"
+    ):
         gen.generate(PROMPT, method="ddtree", budget=1_000_000, max_new_tokens=2)
     with pytest.raises(InvalidInputError, match="max_budget 100000 is above the limit"):
         gen.generate(PROMPT, method="caddtree", cost_model=cost, max_budget=100_000)
-    out = gen.generate(PROMPT, method="ddtree", budget=api.MAX_TREE_NODES, max_new_tokens=2)
+    out = gen.generate(PROMPT, method="ddtree", budget=checks.MAX_TREE_NODES, max_new_tokens=2)
     assert len(out.token_ids) == 2
 
 
 def test_the_budget_is_bounded_by_the_prefixes_the_block_holds():
     assert (
-        api.prefix_count(2, 4) == 4 + 16 and api.prefix_count(15, 49152) == api.MAX_TREE_NODES + 1
+        checks.prefix_count(2, 4) == 4 + 16
+        and checks.prefix_count(15, 49152) == checks.MAX_TREE_NODES + 1
     )
-    assert api.prefix_count(3, 1) == 3 and api.prefix_count(0, 100) == 0
+    assert checks.prefix_count(3, 1) == 3 and checks.prefix_count(0, 100) == 0
     block = {"block_size": 3, "vocab": 4}
-    assert api.check_tree_budgets("ddtree", 20, 1024, **block) == 1024
+    assert checks.check_tree_budgets("ddtree", 20, 1024, **block) == 1024
     with pytest.raises(InvalidInputError, match="the 20 distinct prefixes the drafter's block"):
-        api.check_tree_budgets("ddtree", 21, 1024, **block)
-    assert api.check_tree_budgets("caddtree", None, 1024, **block) == 20  # a ceiling: lowered
+        checks.check_tree_budgets("ddtree", 21, 1024, **block)
+    assert checks.check_tree_budgets("caddtree", None, 1024, **block) == 20  # a ceiling: lowered
     with pytest.raises(InvalidInputError, match="--budget must be a positive integer, got 0"):
-        api.check_tree_budgets("ddtree", 0, 1024, names=("--budget", "--max-budget"))
+        checks.check_tree_budgets("ddtree", 0, 1024, names=("--budget", "--max-budget"))
 
 
 # ---- defect 11: files keep the umask's mode ---------------------------------------------------------

@@ -29,8 +29,9 @@ from transformers import (
 from caddtree import ConvexCostModel, InvalidInputError, SpeculativeGenerator
 from caddtree.cli import main
 from caddtree.cost import PiecewiseLinearCurve
-from caddtree.decoding import Sampler, decode, make_policy
+from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
+from caddtree.sampling import Sampler
 from oracle import OracleProposer
 from tiny_models import (
     FEATURE_LAYER_IDS,

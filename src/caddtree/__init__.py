@@ -12,7 +12,9 @@ Public API (see README.md):
 
 from typing import Any
 
-from .cost import ConstantCostModel, ConvexCostModel, CostModel, FitQuality, load_cost_model
+from .checks import METHODS
+from .cost import ConstantCostModel, ConvexCostModel, CostModel, load_cost_model
+from .cost_fit import FitQuality
 from .errors import (
     CaddtreeError,
     CheckpointError,
@@ -36,7 +38,6 @@ _LAZY = {
     "SpeculativeGenerator": "api",
     "GenerationResult": "api",
     "DFlashDraftModel": "models",
-    "METHODS": "decoding",
 }
 # submodules reachable as attributes without importing them first (``caddtree.hf.generate``)
 _LAZY_MODULES = ("hf",)

@@ -9,11 +9,10 @@ print(out.text, out.stats.tau, out.stats.ms_per_token)
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,145 +20,41 @@ import torch
 from filelock import FileLock
 
 from .checks import (
-    MAX_TREE_NODES,
-    MIN_TEMPERATURE,
     _chat_messages,
     check_chat_template_kwargs,
-    check_int,
     check_stop,
     check_text,
     check_tree_budgets,
-    make_sampler,
-    prefix_count,
     token_ids,
 )
 from .cost import CostModel, load_cost_model
 from .decoding import GenerationStats, RoundStats, _criteria_list, decode, make_policy
+from .devices import (
+    CPU_SLOW_HALF,
+    dtype_name,
+    machine_description,
+    resolve_device,
+    resolve_dtype,
+    weights_digest,
+)
 from .errors import CaddtreeError, CheckpointError, InvalidInputError
+from .sampling import make_sampler
 from .tree import DraftTree
 
 if TYPE_CHECKING:
     from .models.dflash import DFlashDraftModel
 
-# The model layer (transformers) is imported where a model is built, not here: the argument
-# checks below serve `caddtree generate` before any slow import or load.
+# The model layer (transformers) is imported where a model is built, not here.
 
 __all__ = [
-    "MAX_TREE_NODES",
-    "MIN_TEMPERATURE",
-    "Divergence",
     "GenerationResult",
     "SpeculativeGenerator",
-    "ar_baseline_dtypes",
-    "check_text",
-    "check_tree_budgets",
-    "dtype_name",
-    "explain_divergence",
-    "machine_description",
-    "make_sampler",
-    "near_tie_threshold",
-    "prefix_count",
-    "resolve_dtype",
-    "token_ids",
+    "chat_template_ids",
+    "eos_token_ids",
+    "stop_string_criterion",
 ]
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-    "double": torch.float64,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``"auto"``/``None`` means bfloat16 on CUDA and float32 elsewhere."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise InvalidInputError(
-            f"unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(set(_DTYPES)))}"
-        ) from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: the name :func:`resolve_dtype` accepts back."""
-    return str(dtype).removeprefix("torch.")
-
-
-# Half-precision dtypes that a CPU may run slower than float32: without native bf16/fp16 matrix
-# units, PyTorch's CPU kernels convert to float32 and back, so plain decoding in float32 can beat it.
-_CPU_SLOW_HALF = (torch.bfloat16, torch.float16)
-
-
-def ar_baseline_dtypes(
-    dtype: str | torch.dtype,
-    device: str | torch.device,
-    extra: str | Sequence[str | torch.dtype] | None = "auto",
-) -> list[torch.dtype]:
-    """The dtypes to time plain AR decoding in, to measure the speed-up of a run in ``dtype``.
-
-    A speed-up is only fair against the fastest plain decoding a user could pick on that machine.
-    The list starts with the run's own dtype, always: that AR run is the lossless reference (the
-    output a greedy method must reproduce). ``extra`` says what else to time:
-
-    * ``"auto"`` or ``None``: on a CPU, where either can be the faster plain decoding (it depends
-      on the model and on the CPU's bfloat16 support), float32 for a bfloat16 or float16 run and
-      bfloat16 for a float32 run; on a GPU, where bfloat16 is the fast path, bfloat16 for a
-      float32 run only; nothing for a float64 run (exactness checks);
-    * ``"same"``: nothing else;
-    * a sequence of dtypes (or names :func:`resolve_dtype` accepts): those, in that order.
-
-    Duplicates are dropped.
-    """
-    dev = torch.device(device)
-    run = resolve_dtype(dtype, dev)
-    if extra is None or (isinstance(extra, str) and extra == "auto"):
-        if run == torch.float32:
-            others = [torch.bfloat16]
-        else:
-            others = [torch.float32] if dev.type == "cpu" and run in _CPU_SLOW_HALF else []
-    elif isinstance(extra, str) and extra == "same":
-        others = []
-    elif isinstance(extra, str):
-        raise InvalidInputError(
-            f"unknown AR baseline choice {extra!r}: use 'auto', 'same' or a list of dtypes"
-        )
-    else:
-        others = []
-        for item in extra:
-            if isinstance(item, str) and item.lower() in ("auto", "same"):
-                raise InvalidInputError(f"{item!r} cannot be mixed with a list of dtypes")
-            others.append(resolve_dtype(item, dev))
-    out = [run]
-    for item in others:
-        if item not in out:
-            out.append(item)
-    return out
-
-
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidInputError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:1)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError("device 'cuda' was requested but torch sees no CUDA device")
-    return dev
 
 
 def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
@@ -209,39 +104,9 @@ def chat_template_ids(
     return [int(t) for t in ids]
 
 
-def machine_description(device: torch.device) -> str:
-    """What the timings depend on: the accelerator, or the CPU model and thread count."""
-    import platform
-
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return f"cpu:{cpu}:{os.cpu_count()} cores:{torch.get_num_threads()} threads"
-
-
 SLOW_PROFILE_S = 300.0
 """A first-use profile estimated to take longer than this (seconds) comes with a hint how to
 avoid it."""
-
-
-def _weights_digest(model: torch.nn.Module) -> str:
-    """A cheap fingerprint of a model's weights (shapes and a few values of each tensor)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        h.update(name.encode())
-        h.update(str(tuple(tensor.shape)).encode())
-        h.update(flat[:: max(1, flat.numel() // 64)].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _no_template_kwargs(kwargs: dict[str, Any], why: str) -> None:
@@ -274,7 +139,7 @@ class GenerationResult:
 class SpeculativeGenerator:
     """A target model, its tokenizer and (optionally) a DFlash drafter, ready to generate.
 
-    Methods (:data:`caddtree.decoding.METHODS`): ``ar`` needs no drafter; ``dflash``, ``ddtree``
+    Methods (:data:`caddtree.checks.METHODS`): ``ar`` needs no drafter; ``dflash``, ``ddtree``
     (with ``budget``) and ``caddtree`` (with a cost model) need one. Output is lossless for every
     method: identical to plain greedy decoding at temperature 0, and distributed as the target's
     sampling at temperature > 0.
@@ -288,7 +153,7 @@ class SpeculativeGenerator:
         *,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
     ):
-        from .models.dflash import DFlashProposer
+        from .models.proposer import DFlashProposer
         from .models.target import TreeVerifier
 
         self.target = target.eval()
@@ -322,7 +187,7 @@ class SpeculativeGenerator:
         from .models.dflash import DFLASH_ARCHITECTURE, DFlashDraftModel
         from .models.target import check_model_location, checkpoint_errors
 
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         what = "the target model"
@@ -387,7 +252,7 @@ class SpeculativeGenerator:
         text = f"{describe_duration(seconds)}, estimated"
         if seconds > SLOW_PROFILE_S and self.verifier.device.type == "cpu":
             dtype = dtype_name(self.verifier.dtype)
-            if self.verifier.dtype in _CPU_SLOW_HALF:
+            if self.verifier.dtype in CPU_SLOW_HALF:
                 other = " or ".join(d for d in ("float32", "bfloat16") if d != dtype)
                 text += (
                     f"; {dtype} may have no fast kernels on this CPU: the dtype {other} may "
@@ -422,7 +287,7 @@ class SpeculativeGenerator:
 
         ident = {
             "source": getattr(self, "source", {}),
-            "drafter": _weights_digest(self.drafter) if self.drafter is not None else None,
+            "drafter": weights_digest(self.drafter) if self.drafter is not None else None,
             "target_config": self.target.config.get_text_config()
             .to_dict()
             .get("_name_or_path", ""),
@@ -562,7 +427,7 @@ class SpeculativeGenerator:
         Sampling follows transformers' ``generate``: ``temperature=0`` is greedy decoding, above
         0 samples after ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p`` (0 = off);
         ``repetition_penalty`` (1 = off) applies either way (see
-        :class:`~caddtree.decoding.Sampler`). ``seed`` makes sampling reproducible.
+        :class:`~caddtree.sampling.Sampler`). ``seed`` makes sampling reproducible.
         ``stop_token_ids=None`` uses :meth:`default_stop_token_ids`; pass ``()`` to ignore EOS.
         ``stop`` (a string or a list of strings) ends generation after the token that completes
         one of them (the token is kept; transformers' ``StopStringCriteria``, which needs the
@@ -629,232 +494,3 @@ class SpeculativeGenerator:
         if self.tokenizer is not None:
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return GenerationResult(text, result.token_ids, prompt_ids, policy.name, result.stats)
-
-
-# ---- why two greedy outputs differ -----------------------------------------------------------------
-
-# A gap between two logits below this many units of the dtype's machine epsilon, times the size of
-# the top logit, counts as a rounding near-tie. Why: a logit ``x`` is stored with an error of up to
-# half an ulp, and an ulp of ``x`` is at most ``eps * |x|`` (eps = 2**-7 for bfloat16, 2**-10 for
-# float16). The two forwards being compared (one query token against many) sum the same products in
-# different orders and tile the matmuls differently, so the final hidden state and every logit pick
-# up a few such rounding errors, independently in each forward: the two top logits can move by a
-# few ulps each, in opposite directions. ``4 * eps * |x|`` (four to eight ulps) covers that; for
-# bfloat16 at a logit of 20 it is about 0.6, at a logit of 5 about 0.16. A gap above it is more than
-# rounding can explain.
-NEAR_TIE_ULPS = 4.0
-
-# Lossless decoding in these dtypes must reproduce greedy AR token for token: any difference is
-# worth a bug report.
-_EXACT_DTYPES = (torch.float32, torch.float64)
-
-
-def near_tie_threshold(dtype: torch.dtype, top_logit: float) -> float:
-    """The largest logit gap that rounding in ``dtype`` can flip (see :data:`NEAR_TIE_ULPS`)."""
-    if not dtype.is_floating_point:
-        raise InvalidInputError(f"near_tie_threshold needs a floating-point dtype, not {dtype}")
-    return NEAR_TIE_ULPS * float(torch.finfo(dtype).eps) * max(abs(float(top_logit)), 1.0)
-
-
-@dataclass
-class Divergence:
-    """Where a method's greedy output first leaves plain AR decoding's, and the target's margin there.
-
-    ``position`` indexes the generated tokens (0 = the first token after the prompt). A token is
-    ``None`` where that output ended before ``position``. Gaps are in logit units: ``*_top2_gap``
-    is the target's top-1 logit minus its top-2 logit, ``ar_pair_gap`` is the AR forward's logit of
-    the AR token minus that of the method's token (the margin the method would have had to lose).
-    ``ar_*`` come from a one-token, KV-cached forward replayed exactly as AR decoding runs it;
-    ``tree_*`` from one forward over the last ``tree_queries`` tokens (the last committed tokens,
-    the two candidates and padding nodes, with tree attention over the rest of the context), the
-    way verification computes it. The method's actual verification forward had another tree and a
-    cache built by other forwards, so the ``tree_*`` numbers show how much the forward's shape
-    alone moves the margin; they need not reproduce the flip.
-    """
-
-    position: int
-    method: str
-    ar_token: int | None
-    method_token: int | None
-    ar_text: str
-    method_text: str
-    ar_top2_gap: float
-    ar_pair_gap: float
-    ar_top_logit: float
-    ar_replay_token: int  # the AR replay's argmax: ar_token unless the forward is not deterministic
-    tree_top2_gap: float
-    tree_token: int  # the multi-token forward's argmax at the position
-    tree_queries: int
-    dtype: str
-    threshold: float
-    near_tie: bool
-    verdict: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def describe(self) -> str:
-        """A few lines for a person: the position, the two tokens, the margins and the verdict."""
-
-        def token(tok: int | None, text: str) -> str:
-            return "(end of output)" if tok is None else f"{tok} {text!r}"
-
-        pair = ""
-        if self.method_token is not None and abs(self.ar_pair_gap - self.ar_top2_gap) > 1e-12:
-            pair = f" (AR's token over {self.method}'s: {self.ar_pair_gap:.4g})"
-        if self.tree_token == self.method_token:
-            picks = f"it picks {self.method}'s token"
-        elif self.tree_token == self.ar_token:
-            picks = "it picks AR's token"
-        else:
-            picks = f"it picks {self.tree_token}"
-        lines = [
-            f"first difference at generated token {self.position}: AR chose "
-            f"{token(self.ar_token, self.ar_text)}, {self.method} chose "
-            f"{token(self.method_token, self.method_text)}",
-            f"target's top-2 logit gap there: {self.ar_top2_gap:.4g} in AR's one-token forward"
-            f"{pair}, {self.tree_top2_gap:.4g} in a {self.tree_queries}-token forward like "
-            f"verification's ({picks}); {self.dtype} rounding reaches about "
-            f"{self.threshold:.3g} at logit {self.ar_top_logit:.4g}",
-        ]
-        if self.ar_replay_token != self.ar_token:
-            lines.append(
-                f"note: replaying AR picked {self.ar_replay_token}, not {self.ar_token}: the "
-                "target's forward is not deterministic on this device"
-            )
-        lines.append(self.verdict)
-        return "\n".join(lines)
-
-
-def _top2(logits: torch.Tensor) -> tuple[float, float]:
-    """(top-1 logit, top-1 minus top-2) of a 1D row of logits, in float64."""
-    top = torch.topk(logits.double(), 2).values
-    return float(top[0]), float(top[0] - top[1])
-
-
-def explain_divergence(
-    gen: SpeculativeGenerator,
-    prompt_ids: Sequence[int],
-    ar_ids: Sequence[int],
-    method_ids: Sequence[int],
-    *,
-    method: str = "method",
-    window: int = 16,
-    tree_nodes: int | None = None,
-) -> Divergence | None:
-    """Explain why ``method_ids`` (a method's greedy output) differs from ``ar_ids`` (plain AR's).
-
-    Returns ``None`` when the two are identical. Otherwise takes the common prefix (``prompt_ids``
-    plus the agreed generated tokens) and runs ``gen``'s target on it twice:
-
-    * the AR way: prefill the prompt, then one KV-cached forward per agreed token, exactly as
-      :func:`caddtree.decoding.decode` runs AR (so it costs as many forwards as the agreed tokens);
-    * the verification way: prefill all but the last ``window`` tokens of the prefix, then one
-      tree-attention forward over those ``window`` tokens as a chain with the two differing tokens
-      (and padding nodes up to ``tree_nodes`` nodes, e.g. the method's mean tree size) hanging
-      below it.
-
-    and reports the target's top-2 logit gap at the first differing position in each, with a
-    verdict: in float32/float64 any difference is a likely bug; in bfloat16/float16 a gap within
-    :func:`near_tie_threshold` is a rounding near-tie, anything larger a real discrepancy.
-    Leaves ``gen``'s KV cache empty.
-    """
-    prompt = [int(t) for t in prompt_ids]
-    ar, other = [int(t) for t in ar_ids], [int(t) for t in method_ids]
-    if not prompt:
-        raise InvalidInputError("the prompt is empty; give at least one token")
-    check_int("window", window)
-    if ar == other:
-        return None
-    position = next(
-        (i for i, (a, b) in enumerate(zip(ar, other)) if a != b), min(len(ar), len(other))
-    )
-    ar_token = ar[position] if position < len(ar) else None
-    method_token = other[position] if position < len(other) else None
-    context = prompt + ar[:position]
-    verifier = gen.verifier
-    try:
-        # the AR way, forward for forward as decode() runs it
-        verifier.reset()
-        row, _ = verifier.prefill(prompt)
-        for tok in ar[:position]:
-            logits, _ = verifier.verify(tok, DraftTree.empty())
-            row = logits[0]
-            verifier.commit([0])
-        ar_top, ar_gap = _top2(row)
-        ar_replay = int(torch.argmax(row))
-        pair_gap = ar_gap
-        if ar_token is not None and method_token is not None:
-            pair_gap = float(row[ar_token].double() - row[method_token].double())
-        # the verification way: many query tokens in one forward, over a multi-token prefill
-        verifier.reset()
-        start = max(0, len(context) - window)
-        if start > 0:
-            verifier.prefill(context[:start])
-        chain = context[start + 1 :]
-        candidates = [t for t in (ar_token, method_token) if t is not None]
-        vocab = int(row.shape[-1])
-        want = max(len(chain) + len(candidates), min(int(tree_nodes or 0), 1024))
-        n_padding = max(0, want - len(chain) - len(candidates))
-        padding = (t for t in range(vocab) if t not in candidates)
-        below = candidates + list(itertools.islice(padding, n_padding))
-        n_chain = len(chain)
-        tree = DraftTree(
-            token_ids=chain + below,
-            parents=list(range(-1, n_chain - 1)) + [n_chain - 1] * len(below),
-            depths=list(range(1, n_chain + 1)) + [n_chain + 1] * len(below),
-            log_probs=[0.0] * (n_chain + len(below)),
-        )
-        logits, _ = verifier.verify(context[start], tree)
-        tree_row = logits[n_chain]  # after the bonus and the whole chain
-        _, tree_gap = _top2(tree_row)
-        tree_token = int(torch.argmax(tree_row))
-    finally:
-        verifier.reset()
-
-    dtype = verifier.dtype
-    name = str(dtype).removeprefix("torch.")
-    threshold = near_tie_threshold(dtype, ar_top)
-    if dtype in _EXACT_DTYPES:
-        near_tie = False
-        verdict = (
-            f"likely a bug: in {name} {method} must reproduce AR token for token; please report "
-            "it with the prompt, models and this output"
-        )
-    elif abs(pair_gap) <= threshold:
-        near_tie = True
-        verdict = (
-            f"{name} near-tie: not a bug (the two forwards round differently and the two tokens "
-            "are within rounding of each other; see docs/bf16-divergence.md)"
-        )
-    else:
-        near_tie = False
-        verdict = (
-            f"real discrepancy: the gap is larger than {name} rounding explains; please report it "
-            "with the prompt, models and this output"
-        )
-
-    def text(tok: int | None) -> str:
-        if tok is None or gen.tokenizer is None:
-            return ""
-        return gen.tokenizer.decode([tok])
-
-    return Divergence(
-        position=position,
-        method=method,
-        ar_token=ar_token,
-        method_token=method_token,
-        ar_text=text(ar_token),
-        method_text=text(method_token),
-        ar_top2_gap=ar_gap,
-        ar_pair_gap=pair_gap,
-        ar_top_logit=ar_top,
-        ar_replay_token=ar_replay,
-        tree_top2_gap=tree_gap,
-        tree_token=tree_token,
-        tree_queries=len(tree) + 1,
-        dtype=name,
-        threshold=threshold,
-        near_tie=near_tie,
-        verdict=verdict,
-    )

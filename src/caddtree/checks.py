@@ -11,7 +11,7 @@ neither.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -19,11 +19,6 @@ from .errors import CaddtreeError, InvalidInputError
 
 # The decoding methods: one round loop, four tree policies (caddtree.decoding).
 METHODS = ("ar", "dflash", "ddtree", "caddtree")
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
-    from .decoding import Sampler
 
 __all__ = [
     "METHODS",
@@ -40,7 +35,6 @@ __all__ = [
     "check_tree_budgets",
     "is_int",
     "is_number",
-    "make_sampler",
     "prefix_count",
     "token_ids",
 ]
@@ -225,31 +219,6 @@ def check_sampling(
         "repetition_penalty": r,
         "seed": None if seed is None else int(seed),
     }
-
-
-def make_sampler(
-    temperature: Any = 0.0,
-    top_p: Any = 1.0,
-    seed: Any = None,
-    device: torch.device | str = "cpu",
-    *,
-    top_k: Any = 0,
-    min_p: Any = 0.0,
-    repetition_penalty: Any = 1.0,
-) -> Sampler:
-    """A :class:`~caddtree.decoding.Sampler` for these settings, checked by
-    :func:`check_sampling` (an :class:`InvalidInputError` naming the bad one otherwise)."""
-    from .decoding import Sampler
-
-    return Sampler(
-        temperature,
-        top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-        device=device,
-    )
 
 
 def check_stop(stop: Any) -> list[str]:

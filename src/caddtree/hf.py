@@ -58,8 +58,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from .api import SpeculativeGenerator, stop_string_criterion
 from .checks import METHODS, check_stop, check_tree_budgets
 from .cost import CostModel
-from .decoding import GenerationStats, Sampler, decode, make_policy
+from .decoding import GenerationStats, decode, make_policy
 from .errors import InvalidInputError
+from .sampling import Sampler
 
 __all__ = ["DEFAULT_DDTREE_BUDGET", "CaddtreeGenerateOutput", "generate"]
 

@@ -90,8 +90,9 @@ def cli_main(args: Any) -> int:
     import torch
 
     from .. import __version__
-    from ..api import SpeculativeGenerator, machine_description, resolve_dtype
+    from ..api import SpeculativeGenerator
     from ..cost import load_cost_model
+    from ..devices import machine_description, resolve_dtype
     from .datasets import load_benchmark, load_prompt_file
     from .tables import summary_table
 

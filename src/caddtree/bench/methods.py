@@ -100,7 +100,7 @@ def default_ar_dtypes(dtype: str, device_type: str) -> list[str]:
     """The dtypes of the plain-decoding baselines that the default ``--methods`` adds next to
     ``ar`` for a run in ``dtype`` (a canonical name, e.g. ``"bfloat16"``) on ``device_type``:
     the rule of :func:`caddtree.api.ar_baseline_dtypes`, which ``generate --compare-ar`` uses."""
-    from ..api import ar_baseline_dtypes, dtype_name
+    from ..devices import ar_baseline_dtypes, dtype_name
 
     return [dtype_name(d) for d in ar_baseline_dtypes(dtype, device_type)[1:]]
 

@@ -266,7 +266,7 @@ def _run_prompt(
 
 def generator_dtype(gen: Any) -> str:
     """The canonical name of the dtype ``gen``'s target runs in (``"bfloat16"``)."""
-    from ..api import dtype_name
+    from ..devices import dtype_name
 
     return dtype_name(gen.verifier.dtype)
 

@@ -1,7 +1,7 @@
 """Model layer: the DFlash drafter and the target-side tree-verification helpers.
 
-* :class:`DFlashDraftModel` - loads and saves released DFlash checkpoints;
-  :class:`DFlashProposer` runs it once per round and returns draft logits.
+* :class:`DFlashDraftModel` (``dflash``) - loads and saves released DFlash checkpoints;
+  :class:`DFlashProposer` (``proposer``) runs it once per round and returns draft logits.
 * :class:`TreeVerifier` - prefill, one-pass tree verification and KV-cache compaction for any
   transformers causal LM with ``sdpa`` or ``eager`` attention, built on :func:`tree_attention_mask`,
   :func:`tree_position_ids`, :func:`compact_cache` and :func:`extract_context_features`.
@@ -10,11 +10,11 @@
 from .dflash import (
     DFLASH_ARCHITECTURE,
     DFlashDraftModel,
-    DFlashProposer,
     DFlashSettings,
     check_drafter_fits_target,
     default_target_layer_ids,
 )
+from .proposer import DFlashProposer
 from .target import (
     TreeVerifier,
     compact_cache,

@@ -1,18 +1,16 @@
 """``caddtree serve``: load the models once, then serve them over HTTP with uvicorn.
 
 :func:`add_arguments` declares the options on an ``argparse`` parser, :func:`main` parses them and
-runs the server until Ctrl-C (or SIGTERM). Loading is the ``caddtree generate`` command's: the
-built-in pair without ``--target``/``--draft`` (:func:`caddtree.defaults.resolve_model_pair`),
-then :meth:`SpeculativeGenerator.from_pretrained`, then, for ``--method caddtree`` without
-``--cost-model``, the cost model profiled once for this machine and cached
-(:meth:`SpeculativeGenerator.cached_cost_model`).
+runs the server until Ctrl-C (or SIGTERM). Loading is the ``caddtree generate`` command's
+(:func:`caddtree.loading.load_pair`): the built-in pair without ``--target``/``--draft``, then,
+for ``--method caddtree`` without ``--cost-model``, the cost model profiled once for this machine
+and cached.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import math
 import socket
 import sys
@@ -21,6 +19,8 @@ from typing import Any
 
 from ..checks import METHODS, check_int
 from ..errors import CaddtreeError, InvalidInputError
+from ..loading import add_pair_arguments, load_pair
+from ..logs import install_log_handler
 
 __all__ = ["add_arguments", "load_generator", "main"]
 
@@ -31,16 +31,7 @@ DEFAULT_MAX_QUEUE = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``caddtree serve``'s options on ``parser`` (and return it)."""
-    parser.add_argument(
-        "--target", help="target model: a local directory or hub id (default: built-in SmolLM2)"
-    )
-    parser.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
-    parser.add_argument(
-        "--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64"
-    )
-    parser.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
-    )
+    add_pair_arguments(parser)
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
     )
@@ -112,8 +103,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
     """Everything that needs no model, before the slow loading."""
     import torch
 
-    from ..api import check_tree_budgets, resolve_dtype
+    from ..checks import check_tree_budgets
     from ..cost import load_cost_model
+    from ..devices import resolve_dtype
 
     if args.target is not None and args.method != "ar" and args.draft is None:
         raise InvalidInputError(
@@ -159,20 +151,22 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def load_generator(args: argparse.Namespace) -> tuple[Any, str]:
-    """Load the models ``args`` name (as ``caddtree generate`` does) and, for ``--method
-    caddtree``, obtain the cost model once. Returns the generator and the name to serve it under."""
-    from ..api import SpeculativeGenerator
-    from ..defaults import DEFAULT_TARGET_NAME, resolve_model_pair
+    """Load the models ``args`` name as ``caddtree generate`` does
+    (:func:`caddtree.loading.load_pair`) and, for ``--method caddtree``, obtain the cost model
+    once. Returns the generator and the name to serve it under."""
+    from ..defaults import DEFAULT_TARGET_NAME
 
     name = args.served_model_name or (
         DEFAULT_TARGET_NAME if args.target is None else str(args.target)
     )
-    target, draft, dtype = resolve_model_pair(args.target, args.draft, args.dtype)
-    gen = SpeculativeGenerator.from_pretrained(
-        target, draft, dtype=dtype, device=args.device, cost_model=args.cost_model
+    gen = load_pair(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        cost_model=args.cost_model,
+        method=args.method,
     )
-    if args.method == "caddtree" and gen.cost_model is None:
-        gen.cost_model = gen.cached_cost_model()
     return gen, name
 
 
@@ -217,16 +211,6 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show_library_log() -> None:
-    """The library's messages (model conversion, profiling) on stderr, as ``caddtree`` shows them."""
-    try:
-        from ..cli import _install_log_handler
-    except ImportError:  # pragma: no cover - the command line's helper moved
-        logging.basicConfig(level=logging.INFO, format="caddtree: %(message)s")
-    else:
-        _install_log_handler()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``caddtree serve [options]``: returns the exit status: 0 after a clean shutdown (Ctrl-C;
     SIGTERM ends the process as uvicorn does, by the signal), 2 with a ``caddtree: error: ...``
@@ -240,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     args = parser.parse_args(None if argv is None else list(argv))
-    _show_library_log()
+    install_log_handler()  # the library's messages (model conversion, profiling) on stderr
     try:
         return serve(args)
     except CaddtreeError as exc:

@@ -141,10 +141,10 @@ def target_fingerprint(target: Any) -> dict[str, str]:
     """What identifies the model behind cached responses and features: a digest of its weights
     (shapes and a sample of values, so another model that shares the tokenizer differs) and its
     dtype (greedy responses and hidden states change with the dtype)."""
-    from ..api import _weights_digest, dtype_name
+    from ..devices import dtype_name, weights_digest
 
     dtype = target.get_input_embeddings().weight.dtype
-    return {"target": _weights_digest(target), "dtype": dtype_name(dtype)}
+    return {"target": weights_digest(target), "dtype": dtype_name(dtype)}
 
 
 def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> str:

@@ -1,0 +1,339 @@
+"""``caddtree generate``: one generation with any method, its statistics, and with ``--compare-ar``
+the speed-up over plain decoding and the lossless check (explaining a difference, if any)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..checks import (
+    METHODS,
+    check_chat_template_kwargs,
+    check_int,
+    check_stop,
+    check_text,
+    check_tree_budgets,
+)
+from ..errors import InvalidInputError
+from ..loading import add_pair_arguments, load_pair
+
+
+def _chat_template_kwargs(text: str | None) -> dict | None:
+    """``--chat-template-kwargs``: a JSON object, checked (a one-line error otherwise)."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(
+            f"--chat-template-kwargs is not valid JSON ({exc.msg} at character {exc.pos}); give "
+            """an object such as '{"enable_thinking": false}'"""
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidInputError(
+            "--chat-template-kwargs must be a JSON object such as "
+            f"""'{{"enable_thinking": false}}', got {text!r}"""
+        )
+    return check_chat_template_kwargs(value)
+
+
+def _speed_line(s) -> str:
+    """Time to first token, decode speed and draft acceptance of one run's statistics."""
+    speed = "-" if s.decode_tokens_per_s is None else f"{s.decode_tokens_per_s:.1f}"
+    line = f"TTFT {1e3 * s.ttft_s:.0f} ms  decode {speed} tok/s"
+    if s.draft_tokens:
+        line += (
+            f"  draft acceptance {s.draft_acceptance_rate:.1%} ({s.accepted_tokens} of "
+            f"{s.draft_tokens} nodes)  mean acceptance length {s.mean_acceptance_length:.2f}"
+        )
+    return line
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
+    import json
+
+    import torch
+
+    from ..api import SpeculativeGenerator
+    from ..cost import load_cost_model
+    from ..devices import ar_baseline_dtypes, dtype_name, resolve_dtype
+    from ..divergence import explain_divergence
+    from ..sampling import make_sampler
+    from ..streaming import IncrementalDecoder
+
+    if args.target is not None and args.method != "ar" and args.draft is None:
+        raise InvalidInputError(f"--method {args.method} needs --draft (a DFlash checkpoint)")
+    if args.budget is not None and args.method != "ddtree":
+        raise InvalidInputError("--budget only applies to --method ddtree")
+    if args.method == "ddtree" and args.budget is None:
+        args.budget = 64
+    # check what needs no model before spending time on loading one
+    check_text(args.prompt)
+    check_tree_budgets(
+        args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
+    )
+    check_int("max_new_tokens", args.max_new_tokens)
+    make_sampler(
+        args.temperature,
+        args.top_p,
+        args.seed,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    check_stop(args.stop)
+    template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
+    if template_kwargs and args.raw:
+        raise InvalidInputError(
+            "--chat-template-kwargs only applies with the chat template (not --raw)"
+        )
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    if args.cost_model is not None:
+        args.cost_model = load_cost_model(args.cost_model)
+    if args.ar_dtypes is not None and not args.compare_ar:
+        raise InvalidInputError("--ar-dtypes only applies with --compare-ar")
+    ar_dtypes = args.ar_dtypes or "auto"
+    if ar_dtypes not in ("auto", "same"):
+        ar_dtypes = [d.strip() for d in ar_dtypes.split(",") if d.strip()]
+    ar_baseline_dtypes(torch.float32, "cpu", ar_dtypes)  # a bad name fails before any loading
+    gen = load_pair(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        cost_model=args.cost_model,
+        method=args.method,
+        with_drafter=args.method != "ar" or args.compare_ar,
+    )
+    # Plain AR decoding to compare with: in the run's own dtype first (the lossless reference), then
+    # in any dtype plain decoding may be faster in on this device (a float32 copy of the target
+    # for a bfloat16/float16 run on the CPU), so the speed-up is over the fastest AR a user could
+    # pick, not over a slow baseline.
+    ar_gens = []
+    if args.compare_ar and args.method != "ar":
+        run_dtype, device = gen.verifier.dtype, gen.verifier.device
+        for dtype in ar_baseline_dtypes(run_dtype, device, ar_dtypes):
+            if dtype == run_dtype:
+                ar_gens.append(gen)
+            else:
+                ar_gens.append(
+                    SpeculativeGenerator.from_pretrained(
+                        gen.source["target"], None, dtype=dtype, device=device
+                    )
+                )
+
+    streaming = not args.json and not args.no_stream and gen.tokenizer is not None
+    text_stream = IncrementalDecoder(gen.tokenizer) if streaming else None
+
+    def stream(_stats, tokens):
+        if text_stream is not None:
+            print(text_stream.push(tokens), end="", flush=True)
+
+    # the same prompt and sampling settings for every run, the AR baselines' included
+    common = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "stop": args.stop,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "chat": False if args.raw else None,
+        "chat_template_kwargs": template_kwargs or None,
+    }
+    if ar_gens:
+        # Untimed warm-up of every timed run (the method, and AR in each dtype) on the same prompt,
+        # so one-time costs (lazy initialisation, allocator growth, first-call kernel choices)
+        # fall on none of them; the first timed run used to pay for them all.
+        warm = {**common, "max_new_tokens": min(8, args.max_new_tokens)}
+        gen.generate(
+            args.prompt, method=args.method, budget=args.budget, max_budget=args.max_budget, **warm
+        )
+        for ar_gen in ar_gens:
+            ar_gen.generate(args.prompt, method="ar", **warm)
+    result = gen.generate(
+        args.prompt,
+        method=args.method,
+        budget=args.budget,
+        max_budget=args.max_budget,
+        callback=stream,
+        **common,
+    )
+    # the timed AR runs, in the order of ar_gens (the same-dtype one first), each with its dtype
+    ar_runs = [
+        (ar_gen.verifier.dtype, ar_gen.generate(args.prompt, method="ar", **common))
+        for ar_gen in ar_gens
+    ]
+    baseline = ar_runs[0][1] if ar_runs else None  # AR in the run's dtype: the lossless reference
+    divergence = None
+    if baseline is not None and args.temperature == 0:
+        # greedy: the outputs should be identical; if not, say why (after the timed runs)
+        divergence = explain_divergence(
+            gen,
+            result.prompt_ids,
+            baseline.token_ids,
+            result.token_ids,
+            method=result.method,
+            tree_nodes=round(result.stats.budget_mean),
+        )
+    # the speed-up is over the fastest AR run (the same-dtype one on a tie)
+    fastest = min(range(len(ar_runs)), key=lambda i: ar_runs[i][1].stats.ms_per_token, default=0)
+
+    def ar_key(i: int) -> str:
+        return "ar" if i == 0 else f"ar_{dtype_name(ar_runs[i][0])}"
+
+    if args.json:
+        out = result.to_dict(per_round=args.per_round)
+        if baseline is not None:
+            out["dtype"] = dtype_name(gen.verifier.dtype)
+            for i, (dtype, run) in enumerate(ar_runs):
+                record = run.to_dict()
+                record["dtype"] = dtype_name(dtype)
+                if i > 0 and args.temperature == 0:  # information only: dtypes round differently
+                    record["same_tokens_as_method"] = run.token_ids == result.token_ids
+                out[ar_key(i)] = record
+            out["baseline"] = ar_key(fastest)
+            out["speedup_over_ar"] = (
+                ar_runs[fastest][1].stats.ms_per_token / result.stats.ms_per_token
+            )
+            out["speedup_over_same_dtype_ar"] = (
+                baseline.stats.ms_per_token / result.stats.ms_per_token
+            )
+            if args.temperature == 0:
+                out["divergence"] = None if divergence is None else divergence.to_dict()
+        print(json.dumps(out))
+        return 0
+    if args.no_stream:
+        print(result.text)
+    else:
+        print(text_stream.flush() if text_stream is not None else "")
+    rows = [(result, gen.verifier.dtype, "")]
+    for i, (dtype, run) in enumerate(ar_runs):
+        note = "  <- baseline (fastest AR)" if len(ar_runs) > 1 and i == fastest else ""
+        rows.append((run, dtype, note))
+    for res, dtype, note in rows:
+        s = res.stats
+        budget = (
+            ""
+            if s.method == "ar"
+            else f"  mean budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
+        )
+        print(
+            f"[{s.method} {dtype_name(dtype)}] {s.new_tokens} tokens in {s.rounds} rounds  "
+            f"tau {s.tau:.2f}{budget}  {s.ms_per_token:.1f} ms/token  ({s.stop_reason}){note}",
+            file=sys.stderr,
+        )
+        print(f"  {_speed_line(s)}", file=sys.stderr)
+    if baseline is not None:
+        same = "identical output" if baseline.token_ids == result.token_ids else "outputs differ"
+        if args.temperature > 0:
+            same = "sampled: outputs may differ"
+        speedup = ar_runs[fastest][1].stats.ms_per_token / result.stats.ms_per_token
+        if len(ar_runs) == 1:
+            print(
+                f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
+                file=sys.stderr,
+            )
+        else:
+            others = ", ".join(
+                f"{run.stats.ms_per_token / result.stats.ms_per_token:.2f}x against AR in "
+                f"{dtype_name(dtype)}"
+                for i, (dtype, run) in enumerate(ar_runs)
+                if i != fastest
+            )
+            print(
+                f"speed-up of {result.method} over AR, same run: {speedup:.2f}x against AR in "
+                f"{dtype_name(ar_runs[fastest][0])}, the fastest AR ({others})",
+                file=sys.stderr,
+            )
+            info = ""
+            if args.temperature == 0:
+                info = "".join(
+                    f"; AR in {dtype_name(dtype)} gives "
+                    + (
+                        "the same tokens"
+                        if run.token_ids == result.token_ids
+                        else "other tokens (information only: another dtype rounds differently)"
+                    )
+                    for dtype, run in ar_runs[1:]
+                )
+            print(
+                f"lossless check against AR in {dtype_name(ar_runs[0][0])}: {same}{info}",
+                file=sys.stderr,
+            )
+        if divergence is not None:
+            print(divergence.describe(), file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this sub-command's parser to ``sub``."""
+    p = sub.add_parser(
+        "generate",
+        help="generate text with AR, DFlash, DDTree or CaDDTree",
+        description=generate.__doc__,
+    )
+    p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
+    add_pair_arguments(p)
+    p.add_argument("--method", choices=METHODS, default="caddtree")
+    p.add_argument("--budget", type=int, help="node budget for --method ddtree (default 64)")
+    p.add_argument(
+        "--max-budget", type=int, default=1024, help="largest CaDDTree tree (default 1024)"
+    )
+    p.add_argument(
+        "--cost-model",
+        help="cost-model file for --method caddtree (JSON or published .pt); default: profile "
+        "this machine once and cache the result",
+    )
+    p.add_argument(
+        "--compare-ar",
+        action="store_true",
+        help="also run plain AR decoding and print the speed-up (each run warmed up untimed "
+        "first); the speed-up is over the fastest AR timed (see --ar-dtypes), the identical-output "
+        "check against AR in the run's own dtype",
+    )
+    p.add_argument(
+        "--ar-dtypes",
+        metavar="auto|same|DTYPES",
+        help="with --compare-ar: dtypes to time plain AR in besides the run's own, comma-separated "
+        "(e.g. float32); 'auto' (default) adds float32 for a bfloat16/float16 run on the CPU "
+        "(loading a float32 copy of the target), where float32 is often faster; 'same' times AR "
+        "in the run's dtype only",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k best (0 = off)")
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens below this fraction of the best token's probability (0 = off)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="penalise tokens already in the context, greedy or sampling (1 = off; e.g. 1.1)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="stop after the token that completes TEXT (kept in the output); repeatable",
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="""extra chat-template arguments as a JSON object, e.g. '{"enable_thinking": false}'""",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--per-round", action="store_true", help="with --json: include per-round stats")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
+    p.set_defaults(handler=generate)

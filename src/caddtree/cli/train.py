@@ -1,0 +1,273 @@
+"""``caddtree train-drafter``: train a DFlash drafter for a target (prompts, regenerated responses,
+features, training; resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..checks import check_int
+from ..errors import InvalidInputError
+
+
+def train_drafter(args: argparse.Namespace) -> int:
+    """Train a DFlash drafter for a target: regenerate responses with the frozen target, cache its
+    context features, then train with anchor blocks. Resumes from OUTPUT if it holds a run."""
+    import json
+    import random
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..api import eos_token_ids
+    from ..devices import resolve_dtype
+    from ..train import TrainConfig, prepare_data, train_drafter
+    from ..train import prompts as prompt_data
+
+    check_int("--stop-after", args.stop_after, allow_none=True)
+    check_int("--max-prompts", args.max_prompts, allow_none=True)
+    for flag, count in (
+        ("--sharegpt", args.sharegpt),
+        ("--code", args.code),
+        ("--math", args.math),
+        ("--magpie", args.magpie),
+    ):
+        check_int(flag, count, minimum=0)
+    code_pool = len(prompt_data.stdlib_code_prompts())
+    if args.code > code_pool:
+        raise InvalidInputError(
+            f"--code {args.code} asks for more code prompts than this Python's standard library "
+            f"gives ({code_pool}); use at most that many, or add "
+            "prompts of your own with --prompts"
+        )
+
+    config = TrainConfig(
+        block_size=args.block_size,
+        num_layers=args.num_layers,
+        num_feature_layers=args.feature_layers,
+        steps=args.steps,
+        anchors_per_sample=args.anchors,
+        samples_per_step=args.samples_per_step,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        seed=args.seed,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+        draft_vocab_coverage=args.draft_vocab_coverage or None,
+        precision=args.precision,
+    )
+    config.validate()
+    target_dir = args.target
+    if target_dir is None:
+        from ..defaults import default_target_dir
+
+        target_dir = default_target_dir()
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    user_prompts = None
+    if args.prompts:
+        from ..train.magpie import read_prompt_file
+
+        user_prompts = read_prompt_file(args.prompts)  # before any slow work: fail fast
+    out = __import__("pathlib").Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    target = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=dtype, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    stops = sorted(eos_token_ids(tokenizer, target))
+    timings = {}
+
+    rng = random.Random(args.seed)
+    sources: dict = {
+        "sharegpt": lambda: prompt_data.sharegpt_prompts()[: args.sharegpt],
+        "stdlib": lambda: rng.sample(prompt_data.stdlib_code_prompts(), args.code),
+        "math": lambda: prompt_data.synthetic_math_prompts(args.math, seed=args.seed),
+    }
+    magpie_report = None
+    if args.magpie:
+        from ..train.magpie import filter_queries, generate_queries
+
+        t0 = time.perf_counter()
+        raw = generate_queries(
+            target,
+            tokenizer,
+            args.magpie,
+            out / "magpie_raw.jsonl",
+            seed=args.seed,
+            stop_token_ids=stops,
+        )
+        timings["magpie_s"] = round(time.perf_counter() - t0, 1)
+        magpie_report = filter_queries(raw)
+        print(
+            f"Magpie: {len(magpie_report.kept)} of {len(raw)} sampled queries kept "
+            f"(dropped: {dict(magpie_report.dropped)})",
+            file=sys.stderr,
+        )
+        sources["magpie"] = lambda: magpie_report.kept
+    if user_prompts is not None:
+        sources["file"] = lambda: user_prompts
+    prompt_set = prompt_data.build_training_prompts(
+        args.max_prompts, seed=args.seed, sources=sources
+    )
+    print(
+        f"training prompts: {len(prompt_set.prompts)} {prompt_set.sources} "
+        f"(dropped {prompt_set.overlap} overlapping a benchmark, {prompt_set.duplicates} duplicates)",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    data = prepare_data(
+        target,
+        tokenizer,
+        prompt_set.prompts,
+        out / "data.safetensors",
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        stop_token_ids=stops,
+    )
+    timings["data_s"] = round(time.perf_counter() - t0, 1)
+    response_tokens = int(sum(len(s) - p for s, p in zip(data.sequences, data.prompt_lengths)))
+    print(
+        f"training data: {len(data.sequences)} samples, {response_tokens} response tokens",
+        file=sys.stderr,
+    )
+    # the held-out samples' prompts, e.g. for `caddtree bench --prompts` to compare drafters on
+    # prompts no training step saw
+    from ..files import atomic_write_text
+    from ..train import split_samples
+
+    heldout = [prompt_set.prompts[i] for i in split_samples(data, config)[1]]
+    atomic_write_text(
+        out / "heldout_prompts.jsonl",
+        "".join(json.dumps({"prompt": p}) + "\n" for p in heldout if isinstance(p, str)),
+    )
+    if args.data_only:
+        return 0
+    t0 = time.perf_counter()
+    final = train_drafter(
+        target,
+        data,
+        out,
+        config,
+        stop_after=args.stop_after,
+        stop_token_ids=stops,
+        init_from=args.init_from,
+    )
+    timings["train_s"] = round(time.perf_counter() - t0, 1)
+    from ..train import draft_vocab_coverage, load_trained_drafter
+
+    ids = load_trained_drafter(out).draft_token_ids
+    draft_vocab = None
+    if ids is not None:
+        draft_vocab = {"size": ids.numel(), "coverage": draft_vocab_coverage(data, ids)}
+    record = {
+        "command": "caddtree " + " ".join(sys.argv[1:]) if sys.argv else "",
+        "target": str(target_dir),
+        "dtype": str(dtype),
+        "prompts": {
+            "total": len(prompt_set.prompts),
+            **prompt_set.sources,
+            "dropped_overlap": prompt_set.overlap,
+            "dropped_duplicates": prompt_set.duplicates,
+        },
+        "tokens": int(sum(len(s) for s in data.sequences)),
+        "response_tokens": int(
+            sum(len(s) - p for s, p in zip(data.sequences, data.prompt_lengths))
+        ),
+        "config": config.__dict__,
+        "draft_vocab": draft_vocab,
+        "final": final,
+        "timings": timings,
+        "torch": torch.__version__,
+    }
+    (out / "run.json").write_text(json.dumps(record, indent=1))
+    if args.export:
+        from ..models import DFlashDraftModel
+
+        drafter = DFlashDraftModel.from_pretrained(
+            out / "checkpoint", dtype=resolve_dtype(args.export_dtype, torch.device("cpu"))
+        )
+        drafter.save_pretrained(args.export)
+        print(f"exported the drafter to {args.export}", file=sys.stderr)
+    print(json.dumps(final))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this sub-command's parser to ``sub``."""
+    p = sub.add_parser(
+        "train-drafter",
+        help="train a DFlash drafter for a target (resumable)",
+        description=train_drafter.__doc__,
+    )
+    p.add_argument("--target", help="target model directory or hub id (default: built-in SmolLM2)")
+    p.add_argument(
+        "--output", required=True, help="run directory (data, features, checkpoint, log)"
+    )
+    p.add_argument("--sharegpt", type=int, default=500, help="ShareGPT prompts to use (max 500)")
+    p.add_argument("--code", type=int, default=500, help="stdlib code prompts to use")
+    p.add_argument("--math", type=int, default=300, help="synthetic arithmetic word problems")
+    p.add_argument(
+        "--magpie",
+        type=int,
+        default=0,
+        help="sample this many user queries from the target itself (Magpie), then filter them",
+    )
+    p.add_argument(
+        "--prompts",
+        help='your own prompts: a JSON-lines file, one {"prompt": ...} or {"messages": [...]} '
+        "per line",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        help="use only the first N prompts (after the seeded shuffle): train on the responses "
+        "generated so far, and grow the run later with a larger N or none",
+    )
+    p.add_argument(
+        "--data-only",
+        action="store_true",
+        help="stop after generating the training data (prompts and responses)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
+    p.add_argument("--batch-size", type=int, default=16, help="generation batch size")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype for data and features")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=1, help="drafter layers")
+    p.add_argument(
+        "--feature-layers", type=int, default=3, help="target layers feeding the drafter"
+    )
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        help="end this call after N more steps (saving a checkpoint); run again to go on",
+    )
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sample per step")
+    p.add_argument("--samples-per-step", type=int, default=4)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument(
+        "--draft-vocab-coverage",
+        type=float,
+        default=0.99,
+        help="score only the most frequent response tokens that cover this share of them, plus "
+        "the stop tokens (a draft vocabulary); 0 for the target's whole vocabulary",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="autocast dtype of the training forward (weights and optimiser stay float32)",
+    )
+    p.add_argument(
+        "--init-from",
+        help="start a new run from this drafter's weights (released format) instead of random",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export", help="also write the final drafter here (released format)")
+    p.add_argument("--export-dtype", default="bfloat16")
+    p.set_defaults(handler=train_drafter)
