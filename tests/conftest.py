@@ -1,12 +1,25 @@
-"""Shared fixtures: tiny float64 models saved to disk as a user would have them."""
+"""Shared fixtures: the tiny float64 target and drafter (in memory, and saved to disk as a user
+would have them), and the ``caddtree generate`` command line on the saved pair."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tiny_models import MASK_TOKEN_ID, qwen3_target, saved_drafter
+from tiny_models import MASK_TOKEN_ID, new_drafter, qwen3_target, saved_drafter
 from tiny_tokenizer import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    """The tiny Qwen3 target (float64, seeded: the same weights in every module)."""
+    return qwen3_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(qwen3):
+    """A random DFlash drafter for :func:`qwen3`."""
+    return new_drafter(qwen3)
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +34,29 @@ def tiny_pair_dirs(tmp_path_factory):
     tokenizer.save_pretrained(root / "target")
     saved_drafter(target, root / "draft")
     return root / "target", root / "draft"
+
+
+@pytest.fixture
+def generate_argv(tiny_pair_dirs):
+    """``generate_argv(*options)``: the ``caddtree generate`` arguments that run the tiny saved
+    pair in float64 on the CPU, then ``options`` (the prompt included)."""
+    target, draft = tiny_pair_dirs
+
+    def argv(*options: str) -> list[str]:
+        return [
+            "generate",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "float64",
+            "--device",
+            "cpu",
+            *options,
+        ]
+
+    return argv
 
 
 # The tiny models gain nothing from intra-op threads, and two test processes (or CI's 2 cores)

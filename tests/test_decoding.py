@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from caddtree import ConstantCostModel, ConvexCostModel, InvalidInputError
 from caddtree.cost import PiecewiseLinearCurve
@@ -17,26 +16,10 @@ from caddtree.decoding import Proposer, decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
 from caddtree.sampling import Sampler
 from oracle import OracleProposer
-from tiny_models import (
-    FEATURE_LAYER_IDS,
-    MAX_POSITIONS,
-    VOCAB,
-    llama_target,
-    new_drafter,
-    qwen3_target,
-)
+from sampling_checks import chi_square_pvalue, hf_generate, sharp_qwen3
+from tiny_models import FEATURE_LAYER_IDS, MAX_POSITIONS, VOCAB, llama_target, new_drafter
 
 PROMPTS = [[5, 17, 3, 44, 8], [70, 2, 2, 9, 31, 12, 60, 1, 0, 33], [11]]
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return qwen3_target()
-
-
-@pytest.fixture(scope="module")
-def drafter(qwen3):
-    return new_drafter(qwen3)
 
 
 def cost_models():
@@ -58,19 +41,6 @@ POLICIES = [
     ("ddtree", {"budget": 64}),
     *[("caddtree", {"cost_model": m, "max_budget": 48}) for m in cost_models()],
 ]
-
-
-def ar_reference(model, prompt, max_new_tokens, stop=None):
-    """transformers' own greedy decoding."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=stop,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def run(
@@ -96,7 +66,7 @@ def run(
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["p5", "p10", "p1"])
 def test_greedy_equals_ar_for_every_method(qwen3, drafter, prompt, drafter_kind):
     n_new = 30
-    reference = ar_reference(qwen3, prompt, n_new)
+    reference = hf_generate(qwen3, prompt, n_new, do_sample=False)
     assert len(reference) == n_new
     for method, kwargs in POLICIES:
         if drafter_kind == "dflash":
@@ -122,7 +92,7 @@ def test_greedy_equals_ar_on_llama():
     model = llama_target()
     drafter = new_drafter(model, seed=5)
     for prompt in PROMPTS[:2]:
-        reference = ar_reference(model, prompt, 25)
+        reference = hf_generate(model, prompt, 25, do_sample=False)
         for method, kwargs in POLICIES:
             proposer = DFlashProposer(drafter, model) if method != "ar" else None
             assert run(model, prompt, method, kwargs, proposer, 25).token_ids == reference
@@ -130,11 +100,11 @@ def test_greedy_equals_ar_on_llama():
 
 def test_stop_token_in_the_middle_of_a_tree(qwen3):
     prompt = PROMPTS[0]
-    free = ar_reference(qwen3, prompt, 30)
+    free = hf_generate(qwen3, prompt, 30, do_sample=False)
     # a stop token that first appears well inside the output, so it lands inside an accepted path
     position = next(i for i in range(6, 30) if free[i] not in free[:i])
     stop = free[position]
-    reference = ar_reference(qwen3, prompt, 30, stop=stop)
+    reference = hf_generate(qwen3, prompt, 30, do_sample=False, eos_token_id=stop)
     assert reference == free[: position + 1]
     cut_inside_tree = []
     for method, kwargs in POLICIES:
@@ -151,7 +121,7 @@ def test_stop_token_in_the_middle_of_a_tree(qwen3):
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 6, 7, 13])
 def test_max_new_tokens_boundary(qwen3, max_new_tokens):
     prompt = PROMPTS[1]
-    reference = ar_reference(qwen3, prompt, max_new_tokens)
+    reference = hf_generate(qwen3, prompt, max_new_tokens, do_sample=False)
     for method, kwargs in POLICIES:
         proposer = OracleProposer(qwen3, prompt) if method != "ar" else None
         trees = []
@@ -182,7 +152,7 @@ def test_acceptance_is_not_cut_short(qwen3):
         *[("caddtree", {"cost_model": m}) for m in cost_models()[:1]],
     ]:
         result = run(qwen3, prompt, method, kwargs, OracleProposer(qwen3, prompt, block), n_new)
-        assert result.token_ids == ar_reference(qwen3, prompt, n_new)
+        assert result.token_ids == hf_generate(qwen3, prompt, n_new, do_sample=False)
         assert [r.accepted for r in result.stats.per_round] == [block - 1] * 4
         assert result.stats.tau == block
 
@@ -197,9 +167,7 @@ def test_sampling_is_lossless():
     """
     # random tiny models predict nearly the same distribution in every context; a sharper lm_head
     # makes the target's choices depend on the context, so sampling from a wrong row would show.
-    qwen3 = qwen3_target(seed=3)
-    with torch.no_grad():
-        qwen3.lm_head.weight.mul_(4.0)
+    qwen3 = sharp_qwen3()
     prompt = [5, 17, 3]
     n = 1200
     counts = np.zeros((3, VOCAB))
@@ -231,12 +199,8 @@ def test_sampling_is_lossless():
     p2 = p1 @ p2_given
     p3 = (p1[:, None] * p2_given).reshape(-1) @ p3_given
     for k, p in enumerate([p1, p2, p3]):
-        expected = p.numpy() * n
-        big = expected >= 5
-        obs = np.append(counts[k, big], counts[k, ~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        assert big.sum() >= 5
-        assert chisquare(obs, exp).pvalue > 1e-3, f"token {k + 1}"
+        assert (p.numpy() * n >= 5).sum() >= 5, k
+        assert chi_square_pvalue(counts[k], p.numpy()) > 1e-3, f"token {k + 1}"
 
 
 def test_sampler_top_p_keeps_the_nucleus():
@@ -296,7 +260,7 @@ def test_rounds_with_an_empty_caddtree_still_record_the_drafters_confidence(qwen
     )
     rounds = result.stats.per_round
     assert rounds and all(r.budget == 0 for r in rounds)
-    assert result.token_ids == ar_reference(qwen3, prompt, 8)
+    assert result.token_ids == hf_generate(qwen3, prompt, 8, do_sample=False)
     # the same drafter, with a tree: node 0's probability is the confidence of the same round
     first_with_tree = run(
         qwen3, prompt, "ddtree", {"budget": 4}, DFlashProposer(drafter, qwen3), 8

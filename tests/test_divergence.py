@@ -174,34 +174,21 @@ def test_a_large_bfloat16_gap_is_a_real_discrepancy():
 # ---- the command line ------------------------------------------------------------------------------
 
 
-def generate_argv(tiny_pair_dirs, *extra):
-    target, draft = tiny_pair_dirs
-    return [
-        "generate",
-        "--target",
-        str(target),
-        "--draft",
-        str(draft),
-        "--dtype",
-        "float64",
-        "--method",
-        "dflash",
-        "--compare-ar",
-        "--max-new-tokens",
-        "16",
-        *extra,
-        "hello",
-    ]
+def compare_ar_argv(generate_argv, *options):
+    """``caddtree generate --method dflash --compare-ar`` on the tiny pair, greedy, 16 tokens."""
+    return generate_argv(
+        "--method", "dflash", "--compare-ar", "--max-new-tokens", "16", *options, "hello"
+    )
 
 
-def test_cli_json_has_no_divergence_when_outputs_match(capsys, tiny_pair_dirs):
-    assert main(generate_argv(tiny_pair_dirs, "--json")) == 0
+def test_cli_json_has_no_divergence_when_outputs_match(capsys, generate_argv):
+    assert main(compare_ar_argv(generate_argv, "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == out["ar"]["token_ids"]
     assert "divergence" in out and out["divergence"] is None
 
 
-def test_cli_reports_a_divergence(capsys, tiny_pair_dirs, monkeypatch):
+def test_cli_reports_a_divergence(capsys, generate_argv, monkeypatch):
     """Make the speculative run's output differ from AR's and check what the user is told."""
     original = SpeculativeGenerator.generate
     flipped = {}
@@ -216,14 +203,14 @@ def test_cli_reports_a_divergence(capsys, tiny_pair_dirs, monkeypatch):
         return result
 
     monkeypatch.setattr(SpeculativeGenerator, "generate", generate)
-    assert main(generate_argv(tiny_pair_dirs, "--json")) == 0
+    assert main(compare_ar_argv(generate_argv, "--json")) == 0
     report = json.loads(capsys.readouterr().out)["divergence"]
     assert {k: report[k] for k in flipped} == flipped
     assert report["method"] == "dflash" and report["dtype"] == "float64"
     assert math.isfinite(report["ar_top2_gap"]) and math.isfinite(report["tree_top2_gap"])
     assert "likely a bug" in report["verdict"]
 
-    assert main(generate_argv(tiny_pair_dirs, "--no-stream")) == 0
+    assert main(compare_ar_argv(generate_argv, "--no-stream")) == 0
     err = capsys.readouterr().err
     assert "(outputs differ)" in err
     assert f"first difference at generated token {flipped['position']}" in err

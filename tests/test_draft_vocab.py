@@ -15,16 +15,12 @@ from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
 from caddtree.train.data import TrainingData, choose_draft_vocab
 from caddtree.tree import build_ddtree
-from test_decoding import POLICIES, PROMPTS, ar_reference
-from tiny_models import FEATURE_LAYER_IDS, MASK_TOKEN_ID, VOCAB, new_drafter, qwen3_target
+from sampling_checks import hf_generate
+from test_decoding import POLICIES, PROMPTS
+from tiny_models import FEATURE_LAYER_IDS, MASK_TOKEN_ID, VOCAB, new_drafter
 
 # every third token plus the top of the vocabulary: sparse, so a wrong mapping shows
 DRAFT_IDS = sorted(set(range(0, VOCAB, 3)) | {VOCAB - 2})
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return qwen3_target()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +69,7 @@ def test_tree_over_draft_ids_maps_to_target_ids():
 @pytest.mark.parametrize("prompt", PROMPTS[:2], ids=["p5", "p10"])
 def test_greedy_equals_ar_with_a_draft_vocabulary(qwen3, saved, prompt):
     _, loaded, _ = saved
-    reference = ar_reference(qwen3, prompt, 30)
+    reference = hf_generate(qwen3, prompt, 30, do_sample=False)
     accepted = 0
     for method, kwargs in POLICIES:
         result = decode(

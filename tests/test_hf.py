@@ -28,27 +28,22 @@ import caddtree.hf
 from caddtree import InvalidInputError, SpeculativeGenerator
 from caddtree.hf import CaddtreeGenerateOutput
 from caddtree.sampling import Sampler
-from test_sampling import COST, allowed_sets, char_stop, chi_square_pvalue, hf_generate
-from tiny_models import MASK_TOKEN_ID, VOCAB, llama_target, new_drafter, qwen3_target
+from sampling_checks import (
+    COST,
+    MARGINAL_PROMPT,
+    MARGINAL_SETTINGS,
+    METHODS,
+    allowed_sets,
+    assert_three_token_marginals,
+    char_stop,
+    hf_generate,
+    marginal_target,
+    sharp_qwen3,
+)
+from tiny_models import MASK_TOKEN_ID, VOCAB, new_drafter, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
 
 PROMPT = [70, 2, 2, 9, 31, 12, 60, 1, 0, 33]
-METHODS = [
-    ("ar", {}),
-    ("dflash", {}),
-    ("ddtree", {"budget": 8}),
-    ("caddtree", {"cost_model": COST, "max_budget": 32}),
-]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return qwen3_target()
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    return new_drafter(target)
 
 
 def uniform_drafter(target, **kwargs):
@@ -91,6 +86,13 @@ def ours(model, prompt, drafter=None, **kwargs):
     )
 
 
+def ours_tokens(model, prompt, drafter=None, **kwargs):
+    """``ours`` with ``return_dict_in_generate``: the generated tokens (a list) and caddtree's
+    statistics of the call."""
+    out = ours(model, prompt, drafter, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, len(prompt) :].tolist(), out.caddtree
+
+
 class RecordingStreamer(BaseStreamer):
     """Keeps what a streamer is given."""
 
@@ -107,7 +109,7 @@ class RecordingStreamer(BaseStreamer):
 # ---- what transformers passes to a custom_generate callable ---------------------------------------
 
 
-def test_transformers_does_not_pass_assistant_model_streamer_or_tokenizer(target, tokenizer):
+def test_transformers_does_not_pass_assistant_model_streamer_or_tokenizer(qwen3, tokenizer):
     """transformers 5.23 drops these three for a callable (see caddtree.hf); if this fails, it
     passes them now and the frame lookup / the stop_strings note of caddtree.hf can go."""
     seen = {}
@@ -116,10 +118,10 @@ def test_transformers_does_not_pass_assistant_model_streamer_or_tokenizer(target
         seen.update(assistant_model=assistant_model, streamer=streamer, tokenizer=tokenizer)
         return input_ids
 
-    target.generate(
+    qwen3.generate(
         torch.tensor([PROMPT]),
         custom_generate=probe,
-        assistant_model=target,
+        assistant_model=qwen3,
         streamer=RecordingStreamer(),
         tokenizer=tokenizer,
         max_new_tokens=2,
@@ -127,10 +129,10 @@ def test_transformers_does_not_pass_assistant_model_streamer_or_tokenizer(target
     assert seen == {"assistant_model": None, "streamer": None, "tokenizer": None}
 
 
-def test_assistant_model_and_streamer_given_to_generate_are_used(target, drafter):
+def test_assistant_model_and_streamer_given_to_generate_are_used(qwen3, drafter):
     streamer = RecordingStreamer()
     out = ours(
-        target,
+        qwen3,
         PROMPT,
         drafter,
         method="ddtree",
@@ -149,10 +151,10 @@ def test_assistant_model_and_streamer_given_to_generate_are_used(target, drafter
     # drafter= works as well, and called directly there is no generate frame to read
     config = GenerationConfig(max_new_tokens=20, do_sample=False)
     direct = caddtree.hf.generate(
-        target, torch.tensor([PROMPT]), generation_config=config, drafter=drafter, method="dflash"
+        qwen3, torch.tensor([PROMPT]), generation_config=config, drafter=drafter, method="dflash"
     )
     assert direct[0, len(PROMPT) :].tolist() == new
-    assert caddtree.hf._generate_call_arguments(target) == {}
+    assert caddtree.hf._generate_call_arguments(qwen3) == {}
     assert caddtree.hf is caddtree.__getattr__("hf")  # reachable as caddtree.hf
 
 
@@ -160,89 +162,68 @@ def test_assistant_model_and_streamer_given_to_generate_are_used(target, drafter
 
 
 @pytest.mark.parametrize(("method", "kwargs"), METHODS, ids=[m for m, _ in METHODS])
-def test_greedy_equals_generate(target, drafter, method, kwargs):
+def test_greedy_equals_generate(qwen3, drafter, method, kwargs):
     n_new = 30
     for settings in ({}, {"repetition_penalty": 1.3}):
-        reference = hf_generate(target, PROMPT, n_new, do_sample=False, **settings)
-        out = ours(
-            target,
+        reference = hf_generate(qwen3, PROMPT, n_new, do_sample=False, **settings)
+        tokens, stats = ours_tokens(
+            qwen3,
             PROMPT,
             drafter,
             method=method,
             max_new_tokens=n_new,
             do_sample=False,
-            return_dict_in_generate=True,
             **settings,
             **kwargs,
         )
-        assert out.sequences[0, len(PROMPT) :].tolist() == reference, settings
-        assert out.caddtree.method == method and out.caddtree.stop_reason == "max_new_tokens"
-        assert out.caddtree.new_tokens == n_new
+        assert tokens == reference, settings
+        assert stats.method == method and stats.stop_reason == "max_new_tokens"
+        assert stats.new_tokens == n_new
 
 
-def test_greedy_tokens_chosen_inside_trees_equal_generate(target):
+def test_greedy_tokens_chosen_inside_trees_equal_generate(qwen3):
     """A drafter whose trees are always accepted one node deep, with a repetition penalty."""
-    drafter = uniform_drafter(target)
-    reference = hf_generate(target, PROMPT, 25, do_sample=False, repetition_penalty=1.3)
-    out = ours(
-        target,
+    drafter = uniform_drafter(qwen3)
+    reference = hf_generate(qwen3, PROMPT, 25, do_sample=False, repetition_penalty=1.3)
+    tokens, stats = ours_tokens(
+        qwen3,
         PROMPT,
         drafter,
         method="ddtree",
         budget=VOCAB,
         max_new_tokens=25,  # the prefill's token, then 12 rounds of two
         repetition_penalty=1.3,
-        return_dict_in_generate=True,
     )
-    assert out.sequences[0, len(PROMPT) :].tolist() == reference
-    assert out.caddtree.accepted_tokens == out.caddtree.rounds == 12
+    assert tokens == reference
+    assert stats.accepted_tokens == stats.rounds == 12
 
 
-def test_eos_and_stop_strings_end_where_generate_ends(target, drafter, tokenizer):
+def test_eos_and_stop_strings_end_where_generate_ends(qwen3, drafter, tokenizer):
     n_new = 30
-    free = hf_generate(target, PROMPT, n_new, do_sample=False)
+    free = hf_generate(qwen3, PROMPT, n_new, do_sample=False)
     eos = free[12]
     first = free.index(eos)
-    assert (
-        hf_generate(target, PROMPT, n_new, do_sample=False, eos_token_id=eos) == free[: first + 1]
-    )
+    assert hf_generate(qwen3, PROMPT, n_new, do_sample=False, eos_token_id=eos) == free[: first + 1]
     stop, _ = char_stop(tokenizer, free, 7)
     reference_stop = hf_generate(
-        target, PROMPT, n_new, do_sample=False, stop_strings=stop, tokenizer=tokenizer
+        qwen3, PROMPT, n_new, do_sample=False, stop_strings=stop, tokenizer=tokenizer
     )
     assert len(reference_stop) < n_new
     for method, kwargs in METHODS:
-        out = ours(
-            target,
-            PROMPT,
-            drafter,
-            method=method,
-            max_new_tokens=n_new,
-            eos_token_id=eos,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-        assert out.sequences[0, len(PROMPT) :].tolist() == free[: first + 1], method  # EOS kept
-        assert out.caddtree.stop_reason == "stop_token"
+        common = {"method": method, "max_new_tokens": n_new, **kwargs}
+        tokens, stats = ours_tokens(qwen3, PROMPT, drafter, eos_token_id=eos, **common)
+        assert tokens == free[: first + 1], method  # EOS kept
+        assert stats.stop_reason == "stop_token"
         criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, [stop])])
-        out = ours(
-            target,
-            PROMPT,
-            drafter,
-            method=method,
-            max_new_tokens=n_new,
-            stopping_criteria=criteria,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-        assert out.sequences[0, len(PROMPT) :].tolist() == reference_stop, method
-        assert out.caddtree.stop_reason == "stop_string"
+        tokens, stats = ours_tokens(qwen3, PROMPT, drafter, stopping_criteria=criteria, **common)
+        assert tokens == reference_stop, method
+        assert stats.stop_reason == "stop_string"
     # transformers does not pass tokenizer= on (see above): stop_strings say how to give them
     with pytest.raises(InvalidInputError, match=r"StopStringCriteria\(tokenizer"):
-        ours(target, PROMPT, drafter, method="dflash", max_new_tokens=5, stop_strings=stop)
+        ours(qwen3, PROMPT, drafter, method="dflash", max_new_tokens=5, stop_strings=stop)
     with pytest.raises(InvalidInputError, match="transformers does not pass tokenizer="):
         ours(
-            target,
+            qwen3,
             PROMPT,
             drafter,
             method="dflash",
@@ -253,7 +234,7 @@ def test_eos_and_stop_strings_end_where_generate_ends(target, drafter, tokenizer
     # where the tokenizer does arrive (a direct call), stop_strings work
     config = GenerationConfig(max_new_tokens=n_new, do_sample=False)
     out = caddtree.hf.generate(
-        target,
+        qwen3,
         torch.tensor([PROMPT]),
         generation_config=config,
         drafter=drafter,
@@ -263,7 +244,7 @@ def test_eos_and_stop_strings_end_where_generate_ends(target, drafter, tokenizer
     )
     assert out[0, len(PROMPT) :].tolist() == reference_stop
     with pytest.raises(InvalidInputError, match="takes generation settings in generation_config="):
-        caddtree.hf.generate(target, torch.tensor([PROMPT]), method="ar", max_new_tokens=3)
+        caddtree.hf.generate(qwen3, torch.tensor([PROMPT]), method="ar", max_new_tokens=3)
 
 
 # ---- sampling: the processed target's tokens and distribution -------------------------------------
@@ -280,16 +261,14 @@ def test_eos_and_stop_strings_end_where_generate_ends(target, drafter, tokenizer
     ids=["top_k", "top_p", "min_p", "all"],
 )
 def test_sampled_tokens_lie_in_the_set_the_processors_allow(settings):
-    model = qwen3_target(seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # a sharper target: the warpers cut something
+    model = sharp_qwen3()
     drafter = uniform_drafter(model)
     prompt = [5, 17, 3]
     processors = prepared_processors(model, prompt, do_sample=True, **settings)
     sizes, accepted = [], 0
     for seed in range(2):
         torch.manual_seed(seed)
-        out = ours(
+        tokens, stats = ours_tokens(
             model,
             prompt,
             drafter,
@@ -297,11 +276,9 @@ def test_sampled_tokens_lie_in_the_set_the_processors_allow(settings):
             budget=VOCAB,
             max_new_tokens=30,
             do_sample=True,
-            return_dict_in_generate=True,
             **settings,
         )
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        accepted += out.caddtree.accepted_tokens
+        accepted += stats.accepted_tokens
         for i, (token, allowed) in enumerate(
             zip(tokens, allowed_sets(model, prompt, tokens, processors))
         ):
@@ -318,23 +295,13 @@ def test_sampled_tokens_are_distributed_as_the_processed_target():
     node's token 2). The same check must reject the unprocessed target and the processed target
     that forgets the node's own token (the repetition penalty's context)."""
     vocab = 16
-    model = llama_target(seed=6, vocab_size=vocab, num_hidden_layers=1)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
+    model, prompt = marginal_target(vocab), MARGINAL_PROMPT
     drafter = uniform_drafter(model, mask_token_id=vocab - 1, num_layers=1, target_layer_ids=(0,))
-    prompt = [3, 7, 3]
-    settings = {
-        "temperature": 1.5,
-        "top_k": 10,
-        "top_p": 0.95,
-        "min_p": 0.05,
-        "repetition_penalty": 2.0,
-    }
     n = 1200
     counts = np.zeros((3, vocab))
     torch.manual_seed(0)
     for _ in range(n):
-        out = ours(
+        tokens, stats = ours_tokens(
             model,
             prompt,
             drafter,
@@ -342,60 +309,34 @@ def test_sampled_tokens_are_distributed_as_the_processed_target():
             budget=vocab,
             max_new_tokens=3,
             do_sample=True,
-            return_dict_in_generate=True,
-            **settings,
+            **MARGINAL_SETTINGS,
         )
-        assert out.caddtree.per_round[0].accepted == 1
-        for k, token in enumerate(out.sequences[0, len(prompt) :].tolist()):
+        assert stats.per_round[0].accepted == 1
+        for k, token in enumerate(tokens):
             counts[k, token] += 1
-
-    prepared = prepared_processors(model, prompt, do_sample=True, **settings)
+    prepared = prepared_processors(model, prompt, do_sample=True, **MARGINAL_SETTINGS)
     assert len(prepared) == 5  # the five settings, nothing else
     reference = Sampler.from_processors(prepared, do_sample=True)
-
-    def next_token_probs(contexts, processor_contexts=None):
-        with torch.no_grad():
-            logits = model(torch.tensor(contexts)).logits[:, -1]
-        seen = processor_contexts or contexts
-        rows = [reference.probabilities(logits[j], seen[j]) for j in range(len(contexts))]
-        return torch.stack(rows).double()
-
-    p1 = next_token_probs([prompt])[0]
-    p2_given = next_token_probs([[*prompt, a] for a in range(vocab)])
-    pairs = [[*prompt, a, b] for a in range(vocab) for b in range(vocab)]
-    p3_given = next_token_probs(pairs)
-    p3_forgetful = next_token_probs(
-        pairs, [[*prompt, a] for a in range(vocab) for _ in range(vocab)]
-    )
-    weights = (p1[:, None] * p2_given).reshape(-1)
-    exact = [p1, p1 @ p2_given, weights @ p3_given]
-    for k, p in enumerate(exact):
-        assert (p > 0.01).sum() >= 5, k  # spread over several tokens
-        assert chi_square_pvalue(counts[k], p.numpy()) > 1e-3, f"token {k + 1}"
-    # the check has teeth
-    with torch.no_grad():
-        raw = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
-    assert chi_square_pvalue(counts[0], raw.numpy()) < 1e-6
-    assert chi_square_pvalue(counts[2], (weights @ p3_forgetful).numpy()) < 1e-6
+    assert_three_token_marginals(model, prompt, counts, reference)
 
 
 # ---- streamers and outputs ------------------------------------------------------------------------
 
 
-def test_text_streamers_receive_exactly_the_generated_text(target, drafter, tokenizer, capsys):
+def test_text_streamers_receive_exactly_the_generated_text(qwen3, drafter, tokenizer, capsys):
     prompt = tokenizer("hello there")["input_ids"]
     kwargs = {"method": "ddtree", "budget": 8, "max_new_tokens": 25}
-    new = ours(target, prompt, drafter, **kwargs)[0, len(prompt) :].tolist()
+    new = ours(qwen3, prompt, drafter, **kwargs)[0, len(prompt) :].tolist()
     text = tokenizer.decode(new)
     assert len(text) > 10
     capsys.readouterr()
-    ours(target, prompt, drafter, streamer=TextStreamer(tokenizer, skip_prompt=True), **kwargs)
+    ours(qwen3, prompt, drafter, streamer=TextStreamer(tokenizer, skip_prompt=True), **kwargs)
     assert capsys.readouterr().out == text + "\n"
 
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
     results = []
     thread = threading.Thread(
-        target=lambda: results.append(ours(target, prompt, drafter, streamer=streamer, **kwargs))
+        target=lambda: results.append(ours(qwen3, prompt, drafter, streamer=streamer, **kwargs))
     )
     thread.start()
     streamed = "".join(streamer)
@@ -404,12 +345,12 @@ def test_text_streamers_receive_exactly_the_generated_text(target, drafter, toke
     assert results[0][0, len(prompt) :].tolist() == new
 
 
-def test_return_dict_has_generates_scores_logits_and_the_statistics(target, drafter):
+def test_return_dict_has_generates_scores_logits_and_the_statistics(qwen3, drafter):
     """Scores and logits of every token, those chosen at accepted tree nodes included."""
     n_new = 13
     settings = {"do_sample": False, "repetition_penalty": 1.3, "max_new_tokens": n_new}
     flags = {"return_dict_in_generate": True, "output_scores": True, "output_logits": True}
-    reference = target.generate(
+    reference = qwen3.generate(
         torch.tensor([PROMPT]),
         attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
         pad_token_id=0,
@@ -417,8 +358,8 @@ def test_return_dict_has_generates_scores_logits_and_the_statistics(target, draf
         **settings,
         **flags,
     )
-    uniform = uniform_drafter(target)
-    out = ours(target, PROMPT, uniform, method="ddtree", budget=VOCAB, **settings, **flags)
+    uniform = uniform_drafter(qwen3)
+    out = ours(qwen3, PROMPT, uniform, method="ddtree", budget=VOCAB, **settings, **flags)
     assert isinstance(out, CaddtreeGenerateOutput)
     assert out.caddtree.accepted_tokens == 6  # tokens 3, 5, ... came from tree nodes' rows
     assert torch.equal(out.sequences, reference.sequences)
@@ -432,9 +373,9 @@ def test_return_dict_has_generates_scores_logits_and_the_statistics(target, draf
     stats = out.caddtree
     assert stats.new_tokens == n_new and stats.stop_reason == "max_new_tokens"
     assert stats.tau == pytest.approx((n_new - 1) / stats.rounds)
-    plain = ours(target, PROMPT, drafter, method="dflash", max_new_tokens=5)
+    plain = ours(qwen3, PROMPT, drafter, method="dflash", max_new_tokens=5)
     assert isinstance(plain, torch.Tensor) and plain.shape == (1, len(PROMPT) + 5)
-    only = ours(target, PROMPT, None, method="ar", max_new_tokens=5, return_dict_in_generate=True)
+    only = ours(qwen3, PROMPT, None, method="ar", max_new_tokens=5, return_dict_in_generate=True)
     assert only.scores is None and only.logits is None and only.caddtree.method == "ar"
 
 
@@ -466,7 +407,7 @@ def test_verifier_and_proposer_are_built_once_per_model_and_drafter(monkeypatch)
 # ---- what it cannot do: clear errors ---------------------------------------------------------------
 
 
-def test_unsupported_requests_fail_clearly(target, drafter):
+def test_unsupported_requests_fail_clearly(qwen3, drafter):
     two = torch.tensor([PROMPT, PROMPT[::-1]])
     cases = [
         (dict(inputs=two, attention_mask=torch.ones_like(two)), "batch size 1"),
@@ -481,7 +422,7 @@ def test_unsupported_requests_fail_clearly(target, drafter):
         ),
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(method="ddtree", assistant_model=None), "needs a DFlash drafter"),
-        (dict(assistant_model=target), "must be a caddtree.DFlashDraftModel"),
+        (dict(assistant_model=qwen3), "must be a caddtree.DFlashDraftModel"),
         (dict(method="beam"), "unknown method"),
         (dict(method="dflash", budget=4), "only applies to method 'ddtree'"),
     ]
@@ -498,5 +439,5 @@ def test_unsupported_requests_fail_clearly(target, drafter):
             **kwargs,
         }
         with pytest.raises(InvalidInputError, match=message):
-            target.generate(**call)
+            qwen3.generate(**call)
         assert call["streamer"].ended == 1, message  # the streamer is ended on errors too

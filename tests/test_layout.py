@@ -4,6 +4,8 @@ functions, and no module so long that a reader cannot hold it (DESIGN.md, "Layer
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,27 @@ def test_no_module_is_over_the_length_limit():
     assert len(lengths) > 20
     too_long = {path: n for path, n in lengths.items() if n > MAX_MODULE_LINES}
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}; split them"
+
+
+def test_lazy_re_exports_load_only_the_module_that_defines_the_name():
+    """``caddtree``, ``caddtree.bench`` and ``caddtree.train`` offer their submodules' names
+    through one helper (:func:`caddtree.lazy.lazy_exports`): a name loads only its own module."""
+    code = (
+        "import sys, caddtree, caddtree.bench, caddtree.train\n"
+        "from caddtree.bench import load_results\n"
+        "from caddtree.train import training_prompts\n"
+        "assert 'load_results' in dir(caddtree.bench) and 'hf' in dir(caddtree)\n"
+        "for package, name in ((caddtree, 'nothing'), (caddtree.bench, 'report_main')):\n"
+        "    try:\n"
+        "        getattr(package, name)\n"
+        "    except AttributeError as exc:\n"
+        "        assert name in str(exc)\n"
+        "    else:\n"
+        "        raise AssertionError(name)\n"
+        "for module in ('torch', 'caddtree.bench.report', 'caddtree.bench.results',\n"
+        "               'caddtree.train.trainer', 'caddtree.train.prompts'):\n"
+        "    if module in sys.modules:\n"
+        "        print(module)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["caddtree.bench.results", "caddtree.train.prompts"]

@@ -15,7 +15,7 @@ from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
 from caddtree.models.proposer import PROJECTION_STEPS, DraftLogits
 from caddtree.tree import DraftRows
-from tiny_models import FEATURE_LAYER_IDS, new_drafter, qwen3_target
+from tiny_models import FEATURE_LAYER_IDS, new_drafter
 
 
 def exact_head(rng: np.random.Generator, hidden_size: int, vocab: int) -> torch.nn.Linear:
@@ -150,11 +150,6 @@ def test_draft_logits_slicing_and_errors():
 
 
 # ---- the proposer ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return qwen3_target()
 
 
 def test_propose_lazy_is_the_same_pass_as_propose(qwen3):

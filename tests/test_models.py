@@ -51,11 +51,6 @@ def target(request):
 
 
 @pytest.fixture(scope="module")
-def qwen3():
-    return qwen3_target("sdpa")
-
-
-@pytest.fixture(scope="module")
 def saved(qwen3, tmp_path_factory):
     """(original drafter, loaded drafter, checkpoint dir) for the Qwen3 target."""
     directory = tmp_path_factory.mktemp("drafter")

@@ -14,7 +14,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import (
     GenerationConfig,
     MinPLogitsWarper,
@@ -26,41 +25,27 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from caddtree import ConvexCostModel, InvalidInputError, SpeculativeGenerator
+from caddtree import InvalidInputError, SpeculativeGenerator
 from caddtree.cli import main
-from caddtree.cost import PiecewiseLinearCurve
 from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
 from caddtree.sampling import Sampler
 from oracle import OracleProposer
-from tiny_models import (
-    FEATURE_LAYER_IDS,
-    MASK_TOKEN_ID,
-    VOCAB,
-    llama_target,
-    new_drafter,
-    qwen3_target,
+from sampling_checks import (
+    MARGINAL_PROMPT,
+    MARGINAL_SETTINGS,
+    METHODS,
+    allowed_sets,
+    assert_three_token_marginals,
+    char_stop,
+    hf_generate,
+    marginal_target,
+    sharp_qwen3,
 )
+from tiny_models import FEATURE_LAYER_IDS, MASK_TOKEN_ID, VOCAB
 from tiny_tokenizer import tiny_tokenizer
 
 PROMPTS = [[5, 17, 3, 44, 8], [70, 2, 2, 9, 31, 12, 60, 1, 0, 33]]
-COST = ConvexCostModel({0: PiecewiseLinearCurve([0, 8, 64], [0.01, 0.01, 0.05])}, draft_cost=0.004)
-METHODS = [
-    ("ar", {}),
-    ("dflash", {}),
-    ("ddtree", {"budget": 8}),
-    ("caddtree", {"cost_model": COST, "max_budget": 32}),
-]
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return qwen3_target()
-
-
-@pytest.fixture(scope="module")
-def drafter(qwen3):
-    return new_drafter(qwen3)
 
 
 def run(model, prompt, method, kwargs, proposer, max_new_tokens, sampler, criteria=None):
@@ -75,18 +60,6 @@ def run(model, prompt, method, kwargs, proposer, max_new_tokens, sampler, criter
         stopping_criteria=criteria,
         callback=proposer.observe if isinstance(proposer, OracleProposer) else None,
     )
-
-
-def hf_generate(model, prompt, max_new_tokens, **kwargs):
-    """transformers' own decoding of ``prompt`` (no EOS unless given)."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        pad_token_id=0,
-        **{"eos_token_id": None, **kwargs},
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 # ---- the sampler is transformers' processors, in transformers' order -------------------------------
@@ -166,21 +139,6 @@ def test_greedy_with_a_repetition_penalty_equals_generate(qwen3, drafter, prompt
 # ---- sampled tokens: in the allowed set, and distributed as the target's --------------------------
 
 
-def allowed_sets(model, prompt, tokens, processors):
-    """For every generated token, the tokens ``processors`` leave a finite score at its context,
-    from one forward over the whole sequence (the target's one-token logits at each position)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0]
-    sets = []
-    for i in range(len(tokens)):
-        context = torch.tensor([prompt + tokens[:i]])
-        scores = logits[len(prompt) - 1 + i][None].float()
-        for processor in processors:
-            scores = processor(context, scores)
-        sets.append(set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist()))
-    return sets
-
-
 @pytest.mark.parametrize(
     "settings",
     [
@@ -192,9 +150,7 @@ def allowed_sets(model, prompt, tokens, processors):
     ids=["top_k", "top_p", "min_p", "all"],
 )
 def test_sampled_tokens_lie_in_the_set_the_warpers_allow(settings):
-    model = qwen3_target(seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # a sharper target: the warpers cut something
+    model = sharp_qwen3()
     prompt = [5, 17, 3]
     processors = [
         RepetitionPenaltyLogitsProcessor(settings.get("repetition_penalty", 1.0)),
@@ -238,18 +194,6 @@ class UniformProposer:
         pass
 
 
-def chi_square_pvalue(counts, probs):
-    """Chi-square goodness of fit of ``counts`` to ``probs``; cells expecting fewer than 5 are
-    pooled into one."""
-    expected = probs * counts.sum()
-    big = expected >= 5
-    observed, wanted = counts[big], expected[big]
-    if expected[~big].sum() > 0:
-        observed = np.append(observed, counts[~big].sum())
-        wanted = np.append(wanted, expected[~big].sum())
-    return chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue
-
-
 def test_sampled_tokens_are_distributed_as_the_processed_target():
     """2,000 generations of three tokens through a DDTree; each token's marginal against the exact
     one under transformers' processors with the right context, chi-square at alpha = 1e-3.
@@ -259,22 +203,12 @@ def test_sampled_tokens_are_distributed_as_the_processed_target():
     check must reject two wrong distributions: the unprocessed target, and the processed target
     that forgets the node's own token in the context (the repetition penalty's context)."""
     vocab = 16
-    model = llama_target(seed=6, vocab_size=vocab, num_hidden_layers=1)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    prompt = [3, 7, 3]
-    settings = {
-        "temperature": 1.5,
-        "top_k": 10,
-        "top_p": 0.95,
-        "min_p": 0.05,
-        "repetition_penalty": 2.0,
-    }
+    model, prompt = marginal_target(vocab), MARGINAL_PROMPT
     verifier = TreeVerifier(model, ())
     policy = make_policy("ddtree", budget=vocab)
     n = 2000
     counts = np.zeros((3, vocab))
-    sampler, proposer = Sampler(**settings, seed=0), UniformProposer(vocab)
+    sampler, proposer = Sampler(**MARGINAL_SETTINGS, seed=0), UniformProposer(vocab)
     for _ in range(n):
         result = decode(
             verifier, prompt, policy, proposer=proposer, max_new_tokens=3, sampler=sampler
@@ -282,33 +216,7 @@ def test_sampled_tokens_are_distributed_as_the_processed_target():
         assert result.stats.per_round[0].accepted == 1
         for k, token in enumerate(result.token_ids):
             counts[k, token] += 1
-
-    reference = Sampler(**settings)
-
-    def next_token_probs(contexts, processor_contexts=None):
-        with torch.no_grad():
-            logits = model(torch.tensor(contexts)).logits[:, -1]
-        seen = processor_contexts or contexts
-        rows = [reference.probabilities(logits[j], seen[j]) for j in range(len(contexts))]
-        return torch.stack(rows).double()
-
-    p1 = next_token_probs([prompt])[0]
-    p2_given = next_token_probs([[*prompt, a] for a in range(vocab)])  # [a, b]
-    pairs = [[*prompt, a, b] for a in range(vocab) for b in range(vocab)]
-    p3_given = next_token_probs(pairs)
-    p3_forgetful = next_token_probs(
-        pairs, [[*prompt, a] for a in range(vocab) for _ in range(vocab)]
-    )
-    weights = (p1[:, None] * p2_given).reshape(-1)
-    exact = [p1, p1 @ p2_given, weights @ p3_given]
-    for k, p in enumerate(exact):
-        assert (p > 0.01).sum() >= 5, k  # spread over several tokens
-        assert chi_square_pvalue(counts[k], p.numpy()) > 1e-3, f"token {k + 1}"
-    # the check has teeth
-    with torch.no_grad():
-        raw = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
-    assert chi_square_pvalue(counts[0], raw.numpy()) < 1e-6
-    assert chi_square_pvalue(counts[2], (weights @ p3_forgetful).numpy()) < 1e-6
+    assert_three_token_marginals(model, prompt, counts, Sampler(**MARGINAL_SETTINGS))
 
 
 # ---- stop strings ---------------------------------------------------------------------------------
@@ -318,14 +226,6 @@ def test_sampled_tokens_are_distributed_as_the_processed_target():
 def gen(tiny_pair_dirs):
     target, draft = tiny_pair_dirs
     return SpeculativeGenerator.from_pretrained(target, draft, dtype="float64", device="cpu")
-
-
-def char_stop(tokenizer, tokens, start):
-    """A two-character stop string from ``tokens`` (the first printable pair from ``start``) and
-    the position of its last token."""
-    chars = [tokenizer.convert_ids_to_tokens(t) if 2 <= t < MASK_TOKEN_ID else None for t in tokens]
-    j = next(i for i in range(start, len(tokens)) if chars[i - 1] and chars[i])
-    return chars[j - 1] + chars[j], j
 
 
 def test_stop_strings_end_the_output_where_generate_does(gen):
@@ -507,24 +407,6 @@ def test_chat_template_kwargs_reach_the_template(tiny_pair_dirs):
 # ---- the command line -----------------------------------------------------------------------------
 
 
-def cli(dirs, *extra):
-    target, draft = dirs
-    return [
-        "generate",
-        "--target",
-        str(target),
-        "--draft",
-        str(draft),
-        "--dtype",
-        "float64",
-        "--device",
-        "cpu",
-        "--max-new-tokens",
-        "20",
-        *extra,
-    ]
-
-
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -547,7 +429,7 @@ def test_cli_refuses_bad_sampling_values_in_one_line(capsys, tmp_path, extra, me
     assert len(err.strip().splitlines()) == 1
 
 
-def test_cli_sampling_options_match_the_api(capsys, tiny_pair_dirs, gen):
+def test_cli_sampling_options_match_the_api(capsys, generate_argv, gen):
     options = {
         "temperature": 0.9,
         "top_k": 5,
@@ -557,7 +439,7 @@ def test_cli_sampling_options_match_the_api(capsys, tiny_pair_dirs, gen):
         "seed": 3,
         "stop": ["zz", "e"],
     }
-    argv = cli(tiny_pair_dirs, "--method", "ddtree", "--budget", "8", "--json")
+    argv = generate_argv("--max-new-tokens", "20", "--method", "ddtree", "--budget", "8", "--json")
     for name, value in options.items():
         for item in value if isinstance(value, list) else [value]:
             argv += [f"--{name.replace('_', '-')}", str(item)]
@@ -570,7 +452,7 @@ def test_cli_sampling_options_match_the_api(capsys, tiny_pair_dirs, gen):
         assert key in out["stats"], key
 
 
-def test_compare_ar_runs_with_the_same_settings(capsys, tiny_pair_dirs, monkeypatch):
+def test_compare_ar_runs_with_the_same_settings(capsys, generate_argv, monkeypatch):
     original = SpeculativeGenerator.generate
     calls = []
 
@@ -582,7 +464,7 @@ def test_compare_ar_runs_with_the_same_settings(capsys, tiny_pair_dirs, monkeypa
     extra = ["--method", "dflash", "--compare-ar", "--ar-dtypes", "same", "--no-stream"]
     extra += ["--repetition-penalty", "1.3", "--top-k", "4", "--stop", "q"]
     extra += ["--chat-template-kwargs", '{"x": 1}']
-    assert main([*cli(tiny_pair_dirs, *extra), "hello there"]) == 0
+    assert main(generate_argv("--max-new-tokens", "20", *extra, "hello there")) == 0
     err = capsys.readouterr().err
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "seed")
     keys += ("chat", "chat_template_kwargs")

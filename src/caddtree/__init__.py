@@ -10,8 +10,6 @@ Public API (see README.md):
   DFlash drafter :class:`DFlashDraftModel`; these load torch and transformers on first use.
 """
 
-from typing import Any
-
 from .checks import METHODS
 from .cost import ConstantCostModel, ConvexCostModel, CostModel, load_cost_model
 from .cost_fit import FitQuality
@@ -22,6 +20,7 @@ from .errors import (
     InvalidInputError,
     MissingDependencyError,
 )
+from .lazy import lazy_exports
 from .tree import (
     DraftTree,
     TopK,
@@ -34,27 +33,14 @@ from .tree import (
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "SpeculativeGenerator": "api",
-    "GenerationResult": "api",
-    "DFlashDraftModel": "models",
-}
-# submodules reachable as attributes without importing them first (``caddtree.hf.generate``)
-_LAZY_MODULES = ("hf",)
-
-
-def __getattr__(name: str) -> Any:
-    # Keep `import caddtree` light: the tree and cost layers need only numpy.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    if name in _LAZY_MODULES:
-        import importlib
-
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# Keep `import caddtree` light: the tree and cost layers need only numpy; the generator and the
+# drafter load torch and transformers when first used.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {"SpeculativeGenerator": "api", "GenerationResult": "api", "DFlashDraftModel": "models"},
+    # submodules reachable as attributes without importing them first (``caddtree.hf.generate``)
+    submodules=("hf",),
+)
 
 __all__ = [
     "CaddtreeError",

@@ -1,5 +1,6 @@
 """Loading the model pair a command names: what ``caddtree generate``, ``caddtree profile`` and
-``caddtree serve`` share (the options, :func:`add_pair_arguments`, and the loading).
+``caddtree serve`` share (the options, :func:`add_pair_arguments` and :func:`add_method_arguments`,
+the checks before loading, :func:`check_pair_arguments`, and the loading).
 
 :func:`load_pair` takes the built-in pair when neither model is given
 (:func:`caddtree.defaults.resolve_model_pair`), loads it as a
@@ -12,28 +13,108 @@ method. Run the cheap argument checks first: the first use of the built-in targe
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import TYPE_CHECKING, Any
+
+from .checks import METHODS
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import SpeculativeGenerator
     from .cost import CostModel
 
-__all__ = ["add_pair_arguments", "load_pair"]
+__all__ = [
+    "add_method_arguments",
+    "add_pair_arguments",
+    "add_target_argument",
+    "check_pair_arguments",
+    "load_pair",
+    "load_pair_of",
+]
+
+
+def add_target_argument(parser: Any) -> None:
+    """``--target`` (on an ``argparse`` parser): the target model, ``None`` for the built-in one."""
+    parser.add_argument(
+        "--target", help="target model: a local directory or hub id (default: built-in SmolLM2)"
+    )
 
 
 def add_pair_arguments(parser: Any) -> None:
     """The options that name the model pair, as :func:`load_pair` takes them: ``--target``,
     ``--draft``, ``--dtype`` and ``--device`` (on an ``argparse`` parser)."""
-    parser.add_argument(
-        "--target", help="target model: a local directory or hub id (default: built-in SmolLM2)"
-    )
+    add_target_argument(parser)
     parser.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
     parser.add_argument(
         "--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64"
     )
     parser.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+
+
+def add_method_arguments(parser: Any, *, per_request: bool = False) -> None:
+    """The options that choose the decoding method, as :meth:`SpeculativeGenerator.generate
+    <caddtree.api.SpeculativeGenerator.generate>` takes it: ``--method``, ``--budget`` (DDTree's),
+    ``--max-budget`` and ``--cost-model`` (CaDDTree's). ``per_request``: they are a server's
+    defaults for the requests that give none (``caddtree serve``), not one run's settings."""
+    if per_request:
+        method_help = (
+            "decoding method of a request that names none (a request may pick another with its "
+            "'method' field; default caddtree)"
+        )
+        budget_help = "node budget of a ddtree request that gives none (default 64)"
+        cost_help = (
+            "of a caddtree request that names none (a request may name another with its "
+            "'cost_model' field)"
+        )
+    else:
+        method_help = "decoding method (default caddtree)"
+        budget_help = "node budget for --method ddtree (default 64)"
+        cost_help = "for --method caddtree"
+    parser.add_argument("--method", choices=METHODS, default="caddtree", help=method_help)
+    parser.add_argument("--budget", type=int, help=budget_help)
+    parser.add_argument(
+        "--max-budget", type=int, default=1024, help="largest CaDDTree tree (default 1024)"
+    )
+    parser.add_argument(
+        "--cost-model",
+        help=f"cost-model file (JSON or published .pt) {cost_help}; default: profile this "
+        "machine once and cache the result",
+    )
+
+
+def check_pair_arguments(args: argparse.Namespace) -> None:
+    """The checks of :func:`add_pair_arguments` and :func:`add_method_arguments`'s options that need
+    no model, to run before the slow loading: a target of one's own needs its drafter (but for
+    ``--method ar``), ``--dtype`` must name a dtype, and the ``--cost-model`` file is read now
+    (``args.cost_model`` becomes the model)."""
+    import torch
+
+    from .cost import load_cost_model
+    from .devices import resolve_dtype
+    from .errors import InvalidInputError
+
+    if args.target is not None and args.method != "ar" and args.draft is None:
+        raise InvalidInputError(
+            f"--method {args.method} needs --draft (a DFlash checkpoint); or use --method ar"
+        )
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    if args.cost_model is not None:
+        args.cost_model = load_cost_model(args.cost_model)
+
+
+def load_pair_of(args: argparse.Namespace, *, with_drafter: bool = True) -> SpeculativeGenerator:
+    """:func:`load_pair` of the options :func:`add_pair_arguments` and
+    :func:`add_method_arguments` declare (after :func:`check_pair_arguments`)."""
+    return load_pair(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        cost_model=args.cost_model,
+        method=args.method,
+        with_drafter=with_drafter,
     )
 
 

@@ -1,16 +1,24 @@
-"""The library's log as the ``caddtree`` commands show it: ``caddtree: message`` lines on stderr.
+"""How the ``caddtree`` commands talk to a person: the library's log as ``caddtree: message`` lines
+on stderr, and how a command ends (:func:`run_command`).
 
 The library logs through :mod:`logging` under the ``caddtree`` logger (model conversion, profiling,
 cached cost models) and never configures logging itself; the command line and ``caddtree serve``
-call :func:`install_log_handler` so that a person sees those messages.
+call :func:`install_log_handler` (through :func:`run_command`) so that a person sees those
+messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import sys
+from collections.abc import Callable
 
-__all__ = ["StderrLines", "install_log_handler"]
+from .errors import CaddtreeError
+
+__all__ = ["StderrLines", "install_log_handler", "run_command"]
 
 
 class StderrLines(logging.Handler):
@@ -32,3 +40,38 @@ def install_log_handler() -> None:
     if not any(isinstance(h, StderrLines) for h in root.handlers):
         root.addHandler(StderrLines())
     root.setLevel(logging.INFO)
+
+
+def _quiet_broken_pipe() -> int:
+    """Exit quietly after the reader of our output went away (``caddtree ... | head``), as Unix
+    tools do: point stdout and stderr at /dev/null, so that the interpreter's final flush does not
+    raise again, and return the status of a process ended by SIGPIPE (see the Python
+    documentation's note on SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        # not every stream is a real file (e.g. under a test)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+    return 128 + getattr(signal, "SIGPIPE", 13)
+
+
+def run_command(command: Callable[[], int]) -> int:
+    """Run ``command`` (which returns the exit status) as every ``caddtree`` command runs: with
+    the library's log shown (:func:`install_log_handler`), and ending without a traceback: a
+    :class:`~caddtree.errors.CaddtreeError` is a ``caddtree: error: ...`` line and status 2,
+    Ctrl-C is ``caddtree: interrupted`` and 130, a closed pipe (``caddtree ... | head``) ends
+    quietly with the status of a process ended by SIGPIPE."""
+    install_log_handler()
+    try:
+        status = command()
+        sys.stdout.flush()  # a closed pipe is reported here, not at interpreter exit
+        return status
+    except CaddtreeError as exc:
+        print(f"caddtree: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("caddtree: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return _quiet_broken_pipe()

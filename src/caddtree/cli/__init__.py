@@ -14,14 +14,9 @@ everything slow is imported inside :func:`main`, where Ctrl-C is caught.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import sys
 from collections.abc import Callable, Sequence
 
-from ..errors import CaddtreeError
-from ..logs import install_log_handler
+from ..logs import run_command
 from . import bench, generate, profile, serve, train, tree_demo
 
 Handler = Callable[[argparse.Namespace], int]
@@ -41,37 +36,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_broken_pipe() -> int:
-    """Exit quietly after the reader of our output went away (``caddtree ... | head``), as Unix
-    tools do: point stdout and stderr at /dev/null, so that the interpreter's final flush does not
-    raise again, and return the status of a process ended by SIGPIPE (see the Python
-    documentation's note on SIGPIPE)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for stream in (sys.stdout, sys.stderr):
-        # not every stream is a real file (e.g. under a test)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            os.dup2(devnull, stream.fileno())
-    os.close(devnull)
-    return 128 + getattr(signal, "SIGPIPE", 13)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command. Everything heavy (torch, transformers) is imported in here, after
     ``caddtree.cli`` itself has loaded, so a Ctrl-C during start-up ends as any other one does:
-    "caddtree: interrupted" and exit status 130, no traceback."""
-    install_log_handler()
-    try:
-        parser = _build_parser()
-        args = parser.parse_args(argv)
+    "caddtree: interrupted" and exit status 130, no traceback (:func:`caddtree.logs.run_command`).
+    """
+
+    def command() -> int:
+        args = _build_parser().parse_args(argv)
         handler: Handler = args.handler
-        status = handler(args)
-        sys.stdout.flush()  # a closed pipe is reported here, not at interpreter exit
-        return status
-    except CaddtreeError as exc:
-        print(f"caddtree: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("caddtree: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return _quiet_broken_pipe()
+        return handler(args)
+
+    return run_command(command)

@@ -7,7 +7,6 @@ import argparse
 import sys
 
 from ..checks import (
-    METHODS,
     check_chat_template_kwargs,
     check_int,
     check_stop,
@@ -15,7 +14,7 @@ from ..checks import (
     check_tree_budgets,
 )
 from ..errors import InvalidInputError
-from ..loading import add_pair_arguments, load_pair
+from ..loading import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
 
 
 def _chat_template_kwargs(text: str | None) -> dict | None:
@@ -58,19 +57,17 @@ def generate(args: argparse.Namespace) -> int:
     import torch
 
     from ..api import SpeculativeGenerator
-    from ..cost import load_cost_model
-    from ..devices import ar_baseline_dtypes, dtype_name, resolve_dtype
+    from ..devices import ar_baseline_dtypes, dtype_name
     from ..divergence import explain_divergence
     from ..sampling import make_sampler
     from ..streaming import IncrementalDecoder
 
-    if args.target is not None and args.method != "ar" and args.draft is None:
-        raise InvalidInputError(f"--method {args.method} needs --draft (a DFlash checkpoint)")
+    # check what needs no model before spending time on loading one
+    check_pair_arguments(args)
     if args.budget is not None and args.method != "ddtree":
         raise InvalidInputError("--budget only applies to --method ddtree")
     if args.method == "ddtree" and args.budget is None:
         args.budget = 64
-    # check what needs no model before spending time on loading one
     check_text(args.prompt)
     check_tree_budgets(
         args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
@@ -90,24 +87,13 @@ def generate(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             "--chat-template-kwargs only applies with the chat template (not --raw)"
         )
-    resolve_dtype(args.dtype, torch.device("cpu"))
-    if args.cost_model is not None:
-        args.cost_model = load_cost_model(args.cost_model)
     if args.ar_dtypes is not None and not args.compare_ar:
         raise InvalidInputError("--ar-dtypes only applies with --compare-ar")
     ar_dtypes = args.ar_dtypes or "auto"
     if ar_dtypes not in ("auto", "same"):
         ar_dtypes = [d.strip() for d in ar_dtypes.split(",") if d.strip()]
     ar_baseline_dtypes(torch.float32, "cpu", ar_dtypes)  # a bad name fails before any loading
-    gen = load_pair(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        device=args.device,
-        cost_model=args.cost_model,
-        method=args.method,
-        with_drafter=args.method != "ar" or args.compare_ar,
-    )
+    gen = load_pair_of(args, with_drafter=args.method != "ar" or args.compare_ar)
     # Plain AR decoding to compare with: in the run's own dtype first (the lossless reference), then
     # in any dtype plain decoding may be faster in on this device (a float32 copy of the target
     # for a bfloat16/float16 run on the CPU), so the speed-up is over the fastest AR a user could
@@ -279,16 +265,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
     add_pair_arguments(p)
-    p.add_argument("--method", choices=METHODS, default="caddtree")
-    p.add_argument("--budget", type=int, help="node budget for --method ddtree (default 64)")
-    p.add_argument(
-        "--max-budget", type=int, default=1024, help="largest CaDDTree tree (default 1024)"
-    )
-    p.add_argument(
-        "--cost-model",
-        help="cost-model file for --method caddtree (JSON or published .pt); default: profile "
-        "this machine once and cache the result",
-    )
+    add_method_arguments(p)
     p.add_argument(
         "--compare-ar",
         action="store_true",

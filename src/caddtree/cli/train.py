@@ -8,6 +8,7 @@ import sys
 
 from ..checks import check_int
 from ..errors import InvalidInputError
+from ..loading import add_target_argument
 
 
 def train_drafter(args: argparse.Namespace) -> int:
@@ -201,7 +202,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train a DFlash drafter for a target (resumable)",
         description=train_drafter.__doc__,
     )
-    p.add_argument("--target", help="target model directory or hub id (default: built-in SmolLM2)")
+    add_target_argument(p)
     p.add_argument(
         "--output", required=True, help="run directory (data, features, checkpoint, log)"
     )

@@ -17,10 +17,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..checks import METHODS, check_int
+from ..checks import check_int
 from ..errors import CaddtreeError, InvalidInputError
-from ..loading import add_pair_arguments, load_pair
-from ..logs import install_log_handler
+from ..loading import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
+from ..logs import run_command
 
 __all__ = ["add_arguments", "load_generator", "main"]
 
@@ -32,6 +32,7 @@ DEFAULT_MAX_QUEUE = 8
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``caddtree serve``'s options on ``parser`` (and return it)."""
     add_pair_arguments(parser)
+    add_method_arguments(parser, per_request=True)
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
     )
@@ -40,24 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_PORT,
         help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one)",
-    )
-    parser.add_argument(
-        "--method",
-        choices=METHODS,
-        default="caddtree",
-        help="decoding method of a request that names none (a request may pick another with its "
-        "'method' field; default caddtree)",
-    )
-    parser.add_argument(
-        "--budget", type=int, help="node budget of a ddtree request that gives none (default 64)"
-    )
-    parser.add_argument(
-        "--max-budget", type=int, default=1024, help="largest CaDDTree tree (default 1024)"
-    )
-    parser.add_argument(
-        "--cost-model",
-        help="cost-model file for caddtree (JSON or published .pt); default: profile this machine "
-        "once and cache the result",
     )
     parser.add_argument(
         "--max-queue",
@@ -101,16 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _check_arguments(args: argparse.Namespace) -> None:
     """Everything that needs no model, before the slow loading."""
-    import torch
-
     from ..checks import check_tree_budgets
-    from ..cost import load_cost_model
-    from ..devices import resolve_dtype
 
-    if args.target is not None and args.method != "ar" and args.draft is None:
-        raise InvalidInputError(
-            f"--method {args.method} needs --draft (a DFlash checkpoint); or use --method ar"
-        )
+    check_pair_arguments(args)
     if args.budget is not None:
         check_tree_budgets(
             "ddtree", args.budget, args.max_budget, names=("--budget", "--max-budget")
@@ -123,9 +99,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
     if not (math.isfinite(args.temperature) and 0 <= args.temperature <= 2):
         raise InvalidInputError(f"--temperature must be in [0, 2], got {args.temperature}")
-    resolve_dtype(args.dtype, torch.device("cpu"))
-    if args.cost_model is not None:
-        args.cost_model = load_cost_model(args.cost_model)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -159,15 +132,7 @@ def load_generator(args: argparse.Namespace) -> tuple[Any, str]:
     name = args.served_model_name or (
         DEFAULT_TARGET_NAME if args.target is None else str(args.target)
     )
-    gen = load_pair(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        device=args.device,
-        cost_model=args.cost_model,
-        method=args.method,
-    )
-    return gen, name
+    return load_pair_of(args), name
 
 
 def _url(sock: socket.socket) -> str:
@@ -224,12 +189,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     args = parser.parse_args(None if argv is None else list(argv))
-    install_log_handler()  # the library's messages (model conversion, profiling) on stderr
-    try:
-        return serve(args)
-    except CaddtreeError as exc:
-        print(f"caddtree: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("caddtree: interrupted", file=sys.stderr)
-        return 130
+    # the library's messages (model conversion, profiling) on stderr, errors as one line
+    return run_command(lambda: serve(args))
