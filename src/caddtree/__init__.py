@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 # drafter load torch and transformers when first used.
 __getattr__, __dir__ = lazy_exports(
     __name__,
-    {"SpeculativeGenerator": "api", "GenerationResult": "api", "DFlashDraftModel": "models"},
+    {"SpeculativeGenerator": "api", "GenerationResult": "decoding", "DFlashDraftModel": "models"},
     # submodules reachable as attributes without importing them first (``caddtree.hf.generate``)
     submodules=("hf",),
 )

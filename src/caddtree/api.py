@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from .checks import (
     token_ids,
 )
 from .cost import CostModel, load_cost_model
-from .decoding import GenerationStats, RoundStats, _criteria_list, decode, make_policy
+from .decoding import GenerationResult, RoundStats, _criteria_list, decode, make_policy
 from .devices import (
     CPU_SLOW_HALF,
     dtype_name,
@@ -116,24 +115,6 @@ def _no_template_kwargs(kwargs: dict[str, Any], why: str) -> None:
             f"chat_template_kwargs ({', '.join(sorted(kwargs))}) only apply with the chat "
             f"template, and {why}; leave them out, or give text or chat messages with chat=True"
         )
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # generated tokens only
-    prompt_ids: list[int]
-    method: str
-    stats: GenerationStats
-
-    def to_dict(self, per_round: bool = False) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "prompt_tokens": len(self.prompt_ids),
-            "stats": self.stats.to_dict(per_round=per_round),
-        }
 
 
 class SpeculativeGenerator:
@@ -490,7 +471,6 @@ class SpeculativeGenerator:
             self.verifier.reset()
             if self.proposer is not None:
                 self.proposer.reset()
-        text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return GenerationResult(text, result.token_ids, prompt_ids, policy.name, result.stats)
+            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return result

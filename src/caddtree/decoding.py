@@ -45,7 +45,7 @@ __all__ = [
     "Budget",
     "Chain",
     "CostAware",
-    "DecodeResult",
+    "GenerationResult",
     "GenerationStats",
     "NoTree",
     "Proposer",
@@ -310,9 +310,24 @@ class GenerationStats:
 
 
 @dataclass
-class DecodeResult:
-    token_ids: list[int]  # generated tokens (the stop token included, if one was hit)
+class GenerationResult:
+    """What one generation produced: :func:`decode` fills everything but ``text``, which
+    :meth:`caddtree.api.SpeculativeGenerator.generate` decodes with its tokenizer."""
+
+    text: str
+    token_ids: list[int]  # generated tokens only (the stop token included, if one was hit)
+    prompt_ids: list[int]
+    method: str
     stats: GenerationStats
+
+    def to_dict(self, per_round: bool = False) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": len(self.prompt_ids),
+            "stats": self.stats.to_dict(per_round=per_round),
+        }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -436,7 +451,7 @@ def decode(
     callback: Callable[[RoundStats, list[int]], Any] | None = None,
     tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
     logits_callback: Callable[[torch.Tensor], Any] | None = None,
-) -> DecodeResult:
+) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one tree policy.
 
     ``sampler`` chooses the target's tokens (default: greedy decoding). Generation stops after a
@@ -551,4 +566,4 @@ def decode(
     stats = GenerationStats.from_rounds(
         policy.name, rounds, len(output), wall_s, prefill_s, stop_reason
     )
-    return DecodeResult(output, stats)
+    return GenerationResult("", output, prompt, policy.name, stats)
