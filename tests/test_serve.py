@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,6 +100,7 @@ def served(tiny_pair_dirs, cost_file, delay):
         max_new_tokens=16,
         max_queue=MAX_QUEUE,
         on_round=slow_down,
+        cost_model_dir=Path(cost_file).parent,
     )
     server = Server(app)
     yield server
@@ -240,7 +242,7 @@ def test_server_defaults_and_request_cost_model(served, reference, cost_file):
     assert resp.model_extra["caddtree"]["method"] == "caddtree"
     assert resp.choices[0].text == want.text
     resp = c.completions.create(
-        model=MODEL, prompt="abc", temperature=0, extra_body={"cost_model": cost_file}
+        model=MODEL, prompt="abc", temperature=0, extra_body={"cost_model": "cost.json"}
     )
     assert resp.choices[0].text == want.text
     sampled = [
@@ -549,7 +551,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, None),
         ("/v1/completions", {"prompt": "x" * 80}, "prompt"),  # the tiny model's context is 64
         ("/v1/completions", {"prompt": "hello", "max_tokens": 60}, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "cost_model": "/no/such/cost.json"}, "cost_model"),
+        ("/v1/completions", {"prompt": "hi", "cost_model": "no-such-cost.json"}, "cost_model"),
+        # requests read cost models only from the server's --cost-model-dir
+        ("/v1/completions", {"prompt": "hi", "cost_model": "/etc/passwd"}, "cost_model"),
+        ("/v1/completions", {"prompt": "hi", "cost_model": "../../cost.json"}, "cost_model"),
         ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
     ],
 )
@@ -664,3 +669,21 @@ def test_main_serves_until_interrupted(tiny_pair_dirs, cost_file):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def test_a_server_without_a_cost_model_folder_reads_no_file_a_request_names(
+    tiny_pair_dirs, cost_file
+):
+    target, draft = tiny_pair_dirs
+    gen = SpeculativeGenerator.from_pretrained(
+        target, draft, dtype="float64", device="cpu", cost_model=cost_file
+    )
+    server = Server(build_app(gen, model_name=MODEL, max_new_tokens=4))
+    try:
+        body = {"prompt": "hi", "cost_model": cost_file}  # an existing file, by its full path
+        status, _, reply = post(server, "/v1/completions", json.dumps(body))
+        assert status == 400
+        assert reply["error"]["param"] == "cost_model"
+        assert "--cost-model-dir" in reply["error"]["message"]
+    finally:
+        server.stop()

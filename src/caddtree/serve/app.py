@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -75,6 +76,7 @@ def build_app(
     temperature: float = 1.0,
     max_queue: int = 8,
     retry_after_s: int = 1,
+    cost_model_dir: str | os.PathLike[str] | None = None,
     on_round: Any = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``generator`` (a loaded
@@ -83,7 +85,9 @@ def build_app(
     Defaults for requests that leave a field out: ``method``; ``budget``, ddtree's node budget
     (64 when ``None``); ``max_budget``, caddtree's largest tree; ``max_new_tokens`` (``max_tokens``,
     lowered to what the model's context has room for); ``temperature`` (OpenAI's default is 1).
-    A caddtree request uses ``generator.cost_model`` unless it names a cost-model file.
+    A caddtree request uses ``generator.cost_model`` unless it names a cost-model file: a file
+    name inside ``cost_model_dir`` (requests may read no other file on the server; without a
+    directory they may name none).
     ``max_queue`` requests may wait while one generates; one more gets HTTP 503 with
     ``Retry-After: retry_after_s``. ``on_round(job)`` is a test hook, called by the worker thread
     after every round.
@@ -146,14 +150,29 @@ def build_app(
 
     # ---- turning a request into a job ---------------------------------------------------------------
 
-    def cost_model_file(path: str) -> Any:
+    allowed_dir = Path(cost_model_dir).resolve() if cost_model_dir is not None else None
+
+    def cost_model_file(name: str) -> Any:
         from ..cost import load_cost_model
 
+        if allowed_dir is None:
+            raise OpenAIError(
+                "this server reads no cost-model files named by requests; its operator can allow "
+                "the ones in a folder with --cost-model-dir DIR",
+                param="cost_model",
+            )
+        path = (allowed_dir / name).resolve()
+        if not path.is_relative_to(allowed_dir):
+            raise OpenAIError(
+                f"cost_model {name!r} is not a file in the server's cost-model folder; give the "
+                "name of one of its files",
+                param="cost_model",
+            )
         try:
             mtime = os.stat(path).st_mtime
         except OSError as exc:
             raise OpenAIError(
-                f"cost_model {path!r}: {exc.strerror or exc}", param="cost_model"
+                f"cost_model {name!r}: {exc.strerror or exc}", param="cost_model"
             ) from None
         cached = cost_models.get(path)
         if cached is None or cached[0] != mtime:

@@ -9,8 +9,8 @@ Request fields (chat: ``/v1/chat/completions``; completion: ``/v1/completions``)
 * vLLM's and SGLang's sampling extras: ``top_k`` (0 or -1: off), ``min_p``,
   ``repetition_penalty``, ``ignore_eos``, ``chat_template_kwargs`` (chat);
 * caddtree's: ``method`` (``ar``, ``dflash``, ``ddtree``, ``caddtree``), ``budget`` (ddtree's node
-  budget), ``max_budget`` (caddtree's largest tree), ``cost_model`` (a path to a cost-model file
-  on the server, for caddtree).
+  budget), ``max_budget`` (caddtree's largest tree), ``cost_model`` (the name of a cost-model file
+  in the server's ``--cost-model-dir``, for caddtree).
 
 Fields that would change the output in ways caddtree does not implement (``logprobs``,
 ``presence_penalty``/``frequency_penalty`` other than 0, ``echo``, ``suffix``, ``tools``, a JSON

@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "the built-in target's name)",
     )
     parser.add_argument(
+        "--cost-model-dir",
+        help="a folder of cost-model files that requests may name in their cost_model field "
+        "(default: none; requests then use the server's cost model)",
+    )
+    parser.add_argument(
         "--retry-after",
         type=int,
         default=1,
@@ -162,6 +167,7 @@ def serve(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             max_queue=args.max_queue,
             retry_after_s=args.retry_after,
+            cost_model_dir=args.cost_model_dir,
         )
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"
