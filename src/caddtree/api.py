@@ -27,7 +27,14 @@ from .checks import (
     token_ids,
 )
 from .cost import CostModel, load_cost_model
-from .decoding import GenerationResult, RoundStats, _criteria_list, decode, make_policy
+from .decoding import (
+    GenerationResult,
+    RoundStats,
+    TreePolicy,
+    _criteria_list,
+    decode,
+    make_policy,
+)
 from .devices import (
     CPU_SLOW_HALF,
     dtype_name,
@@ -37,7 +44,7 @@ from .devices import (
     weights_digest,
 )
 from .errors import CaddtreeError, CheckpointError, InvalidInputError
-from .sampling import make_sampler
+from .sampling import Sampler
 from .tree import DraftTree
 
 if TYPE_CHECKING:
@@ -427,10 +434,10 @@ class SpeculativeGenerator:
             raise InvalidInputError(
                 f"method {method!r} needs a DFlash drafter; load one (draft=...) or use method='ar'"
             )
-        sampler = make_sampler(
+        sampler = Sampler(
             temperature,
             top_p,
-            seed,
+            seed=seed,
             device=self.verifier.device,
             top_k=top_k,
             min_p=min_p,
@@ -453,24 +460,29 @@ class SpeculativeGenerator:
         criteria = _criteria_list(stopping_criteria)
         if stop_strings:
             criteria.insert(0, stop_string_criterion(self.tokenizer, stop_strings))
-        try:
-            result = decode(
-                self.verifier,
-                prompt_ids,
-                policy,
-                proposer=self.proposer,
-                max_new_tokens=max_new_tokens,
-                sampler=sampler,
-                stop_token_ids=stops,
-                stopping_criteria=criteria,
-                callback=callback,
-                tree_callback=tree_callback,
-            )
-        finally:
-            # let the KV caches go: they grow with the output (see benchmarks/long_generation.py)
-            self.verifier.reset()
-            if self.proposer is not None:
-                self.proposer.reset()
+        result = self.decode(
+            prompt_ids,
+            policy,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            stop_token_ids=stops,
+            stopping_criteria=criteria,
+            callback=callback,
+            tree_callback=tree_callback,
+        )
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
+
+    def decode(
+        self, prompt_ids: Sequence[int], policy: TreePolicy, **kwargs: Any
+    ) -> GenerationResult:
+        """:func:`caddtree.decoding.decode` of ``prompt_ids`` on this generator's target and
+        drafter (keyword arguments as there), without text; the KV caches are let go afterwards,
+        whatever happens, since they grow with the output (see benchmarks/long_generation.py)."""
+        try:
+            return decode(self.verifier, prompt_ids, policy, proposer=self.proposer, **kwargs)
+        finally:
+            self.verifier.reset()
+            if self.proposer is not None:
+                self.proposer.reset()

@@ -22,6 +22,7 @@ METHODS = ("ar", "dflash", "ddtree", "caddtree")
 
 __all__ = [
     "METHODS",
+    "check_method",
     "MAX_REPETITION_PENALTY",
     "MAX_TREE_NODES",
     "MIN_REPETITION_PENALTY",
@@ -77,6 +78,14 @@ def check_int(
 
 
 # ---- the arguments of a generation ---------------------------------------------------------------
+
+
+def check_method(method: Any) -> str:
+    """``method`` if it is one of :data:`METHODS`; otherwise an error that lists them."""
+    if method not in METHODS:
+        raise InvalidInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return method
+
 
 MAX_TREE_NODES = 4096
 """The largest draft tree a round may verify (``budget`` of DDTree, ``max_budget`` of CaDDTree):
@@ -195,7 +204,7 @@ def check_sampling(
     p = _number("top_p", top_p)
     if not 0 < p <= 1:
         raise InvalidInputError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
-    if isinstance(top_k, (bool, np.bool_)) or not is_int(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise InvalidInputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     m = _number("min_p", min_p)
     if not 0 <= m < 1:
@@ -207,9 +216,7 @@ def check_sampling(
             f"between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g}, got "
             f"{repetition_penalty!r}"
         )
-    if seed is not None and (
-        isinstance(seed, (bool, np.bool_)) or not is_int(seed) or not 0 <= seed < 2**64
-    ):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
         raise InvalidInputError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
     return {
         "temperature": t,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .checks import METHODS, check_int
+from .checks import check_int, check_method
 from .errors import InvalidInputError
 from .sampling import Sampler, TokenContext, walk_tree
 from .tree import DraftTree, build_caddtree, build_chain, build_ddtree
@@ -151,8 +151,7 @@ def make_policy(
 ) -> TreePolicy:
     """The tree policy of ``method`` (one of :data:`METHODS`), with a clear error for missing or
     meaningless arguments."""
-    if method not in METHODS:
-        raise InvalidInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    check_method(method)
     if method == "ddtree":
         if budget is None:
             raise InvalidInputError("method 'ddtree' needs a node budget (e.g. budget=64)")

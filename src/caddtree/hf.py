@@ -56,9 +56,9 @@ from transformers import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .api import SpeculativeGenerator, stop_string_criterion
-from .checks import METHODS, check_stop, check_tree_budgets
+from .checks import check_method, check_stop, check_tree_budgets
 from .cost import CostModel
-from .decoding import GenerationStats, decode, make_policy
+from .decoding import GenerationStats, make_policy
 from .errors import InvalidInputError
 from .sampling import Sampler
 
@@ -306,8 +306,7 @@ def _generate(
     if config is None:
         config = model.generation_config
     _check_request(input_ids, config, model_kwargs)
-    if method not in METHODS:
-        raise InvalidInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    check_method(method)
     if method != "ar" and drafter is None:
         raise InvalidInputError(
             f"method {method!r} needs a DFlash drafter: pass assistant_model=drafter (a "
@@ -364,24 +363,16 @@ def _generate(
     def put(_stats: Any, tokens: list[int]) -> None:
         streamer.put(torch.tensor(tokens, dtype=torch.long))
 
-    try:
-        result = decode(
-            gen.verifier,
-            prompt,
-            policy,
-            proposer=gen.proposer if policy.needs_drafter else None,
-            max_new_tokens=max_new_tokens,
-            sampler=sampler,
-            stop_token_ids=stop_ids,
-            stopping_criteria=criteria,
-            callback=put if streamer is not None else None,
-            logits_callback=rows.append if want_scores or want_logits else None,
-        )
-    finally:
-        # let the KV caches go: they grow with the output
-        gen.verifier.reset()
-        if gen.proposer is not None:
-            gen.proposer.reset()
+    result = gen.decode(
+        prompt,
+        policy,
+        max_new_tokens=max_new_tokens,
+        sampler=sampler,
+        stop_token_ids=stop_ids,
+        stopping_criteria=criteria,
+        callback=put if streamer is not None else None,
+        logits_callback=rows.append if want_scores or want_logits else None,
+    )
 
     new = torch.tensor([result.token_ids], dtype=input_ids.dtype, device=input_ids.device)
     sequences = torch.cat([input_ids, new], dim=1)

@@ -26,7 +26,6 @@ __all__ = [
     "Sampler",
     "TokenContext",
     "greedy_choices",
-    "make_sampler",
     "walk_tree",
 ]
 
@@ -70,7 +69,15 @@ class Sampler:
         do_sample = settings["temperature"] > 0
         if do_sample and generator is None and settings["seed"] is not None:
             generator = torch.Generator(device=device).manual_seed(settings["seed"])
-        self._setup(_sampling_processors(**settings, do_sample=do_sample), do_sample, generator)
+        processors = _sampling_processors(
+            temperature=settings["temperature"],
+            top_p=settings["top_p"],
+            top_k=settings["top_k"],
+            min_p=settings["min_p"],
+            repetition_penalty=settings["repetition_penalty"],
+            do_sample=do_sample,
+        )
+        self._setup(processors, do_sample, generator)
         self.settings = settings
 
     @classmethod
@@ -164,29 +171,6 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def make_sampler(
-    temperature: Any = 0.0,
-    top_p: Any = 1.0,
-    seed: Any = None,
-    device: torch.device | str = "cpu",
-    *,
-    top_k: Any = 0,
-    min_p: Any = 0.0,
-    repetition_penalty: Any = 1.0,
-) -> Sampler:
-    """A :class:`Sampler` for these settings, checked by :func:`~caddtree.checks.check_sampling`
-    (an :class:`~caddtree.errors.InvalidInputError` naming the bad one otherwise)."""
-    return Sampler(
-        temperature,
-        top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-        device=device,
-    )
-
-
 def _sampling_processors(
     *,
     temperature: float,
@@ -195,7 +179,6 @@ def _sampling_processors(
     min_p: float,
     repetition_penalty: float,
     do_sample: bool,
-    seed: int | None = None,
 ) -> list[Any]:
     """The logits processors ``model.generate`` builds for these settings, in its order (see
     :class:`Sampler`); empty for plain greedy decoding and for plain sampling at temperature 1."""

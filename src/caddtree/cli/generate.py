@@ -9,6 +9,7 @@ import sys
 from ..checks import (
     check_chat_template_kwargs,
     check_int,
+    check_sampling,
     check_stop,
     check_text,
     check_tree_budgets,
@@ -59,7 +60,6 @@ def generate(args: argparse.Namespace) -> int:
     from ..api import SpeculativeGenerator
     from ..devices import ar_baseline_dtypes, dtype_name
     from ..divergence import explain_divergence
-    from ..sampling import make_sampler
     from ..streaming import IncrementalDecoder
 
     # check what needs no model before spending time on loading one
@@ -73,13 +73,13 @@ def generate(args: argparse.Namespace) -> int:
         args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
     )
     check_int("max_new_tokens", args.max_new_tokens)
-    make_sampler(
+    check_sampling(
         args.temperature,
         args.top_p,
-        args.seed,
         top_k=args.top_k,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
     )
     check_stop(args.stop)
     template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)

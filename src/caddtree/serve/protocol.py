@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import METHODS
+from ..checks import check_method, is_int, is_number
+from ..errors import InvalidInputError
 
 __all__ = [
     "GenerationRequest",
@@ -117,14 +118,6 @@ class GenerationRequest:
 _MISSING = object()
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class _Fields:
     """Typed access to the request body with OpenAI-style 400 errors naming the field."""
 
@@ -147,7 +140,7 @@ class _Fields:
         value = self.get(name)
         if value is None:
             return default
-        ok = _is_number(value) and math.isfinite(value)
+        ok = is_number(value) and math.isfinite(value)
         ok = ok and (value > low if low_open else value >= low) and value <= high
         if not ok:
             left = "(" if low_open else "["
@@ -162,7 +155,7 @@ class _Fields:
         value = self.get(name)
         if value is None:
             return None
-        if not _is_int(value) or value < minimum:
+        if not is_int(value) or value < minimum:
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise OpenAIError(f"{name} must be {what}, got {value!r}", param=name)
         return int(value)
@@ -231,7 +224,7 @@ def _completion_prompt(value: Any) -> str | list[int]:
     """A completion prompt: a string, a list of token ids, or a list holding one of those."""
     if value is None:
         raise OpenAIError("prompt is required: a string or a list of token ids", param="prompt")
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+    if isinstance(value, list) and value and all(is_int(t) for t in value):
         return [int(t) for t in value]
     if isinstance(value, list):
         if len(value) != 1:
@@ -241,7 +234,7 @@ def _completion_prompt(value: Any) -> str | list[int]:
                 param="prompt",
             )
         value = value[0]
-        if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        if isinstance(value, list) and value and all(is_int(t) for t in value):
             return [int(t) for t in value]
     if not isinstance(value, str):
         raise OpenAIError("prompt must be a string or a list of token ids", param="prompt")
@@ -314,19 +307,20 @@ def parse_request(body: Any, kind: str) -> GenerationRequest:
         max_tokens = f.integer("max_tokens", 1)
 
     top_k = f.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+    if top_k is not None and (not is_int(top_k) or top_k < -1):
         raise OpenAIError(
             f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}", param="top_k"
         )
     seed = f.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
         raise OpenAIError(f"seed must be an integer in [0, 2**64), got {seed!r}", param="seed")
 
     method = f.string("method")
-    if method is not None and method not in METHODS:
-        raise OpenAIError(
-            f"unknown method {method!r}; choose one of {', '.join(METHODS)}", param="method"
-        )
+    if method is not None:
+        try:
+            check_method(method)
+        except InvalidInputError as exc:
+            raise OpenAIError(str(exc), param="method") from None
     budget = f.integer("budget", 1)
     if budget is not None and method not in (None, "ddtree"):
         raise OpenAIError(f"budget only applies to method 'ddtree', not {method!r}", param="budget")
