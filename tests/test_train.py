@@ -376,3 +376,54 @@ def test_a_save_interrupted_between_its_renames_resumes_from_the_previous_checkp
     assert [e["step"] for e in state["log"]] == [1, 2, 3, 4, 5, 6]
     straight = train_drafter(target, data, tmp_path / "straight", cfg, progress=False)
     assert straight["loss"] == final["loss"]
+
+
+def test_growing_a_drafter_keeps_its_function_and_trains_on(target, data, tmp_path):
+    """``--init-from`` a drafter with fewer layers appends layers that start as the identity
+    (zero output projections), so the grown drafter computes exactly what the smaller one did."""
+    from caddtree.errors import InvalidInputError
+    from caddtree.train.trainer import grow_drafter
+    from tiny_models import new_drafter
+
+    small = new_drafter(target, num_layers=1, draft_token_ids=list(range(0, VOCAB, 2)))
+    grown = grow_drafter(small, 3)
+    assert grown.config.num_hidden_layers == 3 and torch.equal(grown.d2t, small.d2t)
+    hidden = target.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.randn(1, 6, hidden, generator=gen, dtype=torch.float64)
+    context = torch.randn(1, 4, 2 * hidden, generator=gen, dtype=torch.float64)
+    positions = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(small(noise, context, positions), grown(noise, context, positions))
+    # the new layers are not dead: their inputs are trained copies, only their outputs start at 0
+    assert grown.layers[2].self_attn.o_proj.weight.abs().max() == 0
+    assert torch.equal(
+        grown.layers[2].self_attn.q_proj.weight, small.layers[0].self_attn.q_proj.weight
+    )
+
+    first = tmp_path / "one-layer"
+    train_drafter(target, data, first, config(steps=10), resume=False, progress=False)
+    second = tmp_path / "two-layers"
+    train_drafter(
+        target,
+        data,
+        second,
+        config(steps=20, num_layers=2),
+        resume=False,
+        progress=False,
+        init_from=first,
+    )
+    drafter = DFlashDraftModel.from_pretrained(second / "checkpoint", dtype=torch.float64)
+    assert drafter.config.num_hidden_layers == 2
+    assert drafter.layers[1].self_attn.o_proj.weight.abs().max() > 0  # it learned
+    assert_ddtree_equals_ar(target, drafter, data, 1)
+    with pytest.raises(InvalidInputError, match="at least as many --num-layers"):
+        train_drafter(
+            target,
+            data,
+            tmp_path / "x",
+            config(num_layers=1),
+            resume=False,
+            progress=False,
+            init_from=second,
+        )

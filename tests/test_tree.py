@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -368,3 +369,34 @@ def test_rows_of_ties_are_read_until_something_is_usable():
     logits = np.zeros((2, 100))  # every token ties: the first read has nothing strictly better
     tree = build_ddtree(logits, 3)
     assert tree.token_ids.tolist() == [0, 1, 2] and tree.depths.tolist() == [1, 1, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    extra=st.integers(0, 2 * 128),
+    k=st.sampled_from([1, 2, 5, 32]),
+    levels=st.sampled_from([3, 50, 0]),
+    spike=st.sampled_from(["none", "tail", "head", "mostly-inf"]),
+    seed=st.integers(0, 10**6),
+)
+def test_chunked_row_topk_equals_topk(extra, k, levels, spike, seed):
+    """The chunk-max selection returns exactly ``torch.topk``'s values, at ids holding them:
+    with ties (few levels), the best entries in the short last chunk, and rows of -inf."""
+    from caddtree.tree import CHUNK, _row_topk
+
+    vocab = 8 * 32 * CHUNK + extra  # large enough for the chunked path at every k drawn
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=gen, dtype=torch.float64) * 3
+    if levels:
+        row = torch.round(row * levels / 10)
+    if spike == "tail":
+        row[-1 - extra // 2] = 100.0
+    elif spike == "head":
+        row[:k] = 100.0
+    elif spike == "mostly-inf":
+        row.fill_(-math.inf)
+        row[torch.randint(0, vocab, (3,), generator=gen)] = 1.0
+    vals, ids = _row_topk(row, k)
+    assert torch.equal(vals, torch.topk(row, k).values)
+    assert torch.equal(row[ids], vals) and len(set(ids.tolist())) == k
+    assert int(ids.min()) >= 0 and int(ids.max()) < vocab

@@ -187,6 +187,45 @@ FIRST_K = 32
 reaches its last usable candidate."""
 
 
+CHUNK = 128
+"""Width of the chunks :func:`_row_topk` takes row maxima over."""
+
+
+def _row_topk(row: Any, k: int) -> tuple[Any, Any]:
+    """``torch.topk(row, k)`` of a 1-D tensor (the same values; tied tokens at the cut may
+    differ, as they may between two ``topk`` calls), reading the row about twice as fast.
+
+    A full top-k selects over the whole row. Here the row is cut into chunks of
+    :data:`CHUNK`, a cheap vectorised max is taken per chunk, and the top-``k`` then runs over
+    only the chunks whose max reaches the ``k``-th largest chunk max ``t``. That is exact:
+    ``k`` chunks have a max of at least ``t``, so the ``k`` largest entries are all ``>= t``,
+    and every entry ``>= t`` lies in a chunk whose max is ``>= t``.
+    """
+    import torch
+
+    vocab = row.shape[0]
+    full = vocab // CHUNK
+    if k * CHUNK * 8 > vocab:  # few chunks: selecting among them saves nothing
+        return torch.topk(row, k)
+    head = row[: full * CHUNK].view(full, CHUNK)
+    maxima = torch.amax(head, dim=1)
+    tail = row[full * CHUNK :]
+    if tail.numel():
+        maxima = torch.cat((maxima, tail.max().reshape(1)))
+    cut = torch.topk(maxima, k).values[-1]
+    chosen = torch.nonzero(maxima >= cut).squeeze(1)
+    with_tail = bool(tail.numel()) and int(chosen[-1]) == full  # the short last chunk
+    if with_tail:
+        chosen = chosen[:-1]
+    candidates = head.index_select(0, chosen).reshape(-1)
+    ids = (chosen[:, None] * CHUNK + torch.arange(CHUNK, device=row.device)).reshape(-1)
+    if with_tail:
+        candidates = torch.cat((candidates, tail))
+        ids = torch.cat((ids, torch.arange(full * CHUNK, vocab, device=row.device)))
+    vals, at = torch.topk(candidates, k)
+    return vals, ids[at]
+
+
 class _Candidates:
     """The drafter's candidates at each position, in the expansion's order, read on demand.
 
@@ -267,7 +306,7 @@ class _Candidates:
                     row = row.float()  # half-precision logits are normalised in float32
                 if first:
                     self._lse[i] = float(torch.logsumexp(row, 0))
-                vals, idx = torch.topk(row, k)
+                vals, idx = _row_topk(row, k)
             vals, idx = vals.double().cpu().numpy(), idx.cpu().numpy()
         else:
             row = np.asarray(row).astype(np.float64, copy=False)

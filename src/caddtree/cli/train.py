@@ -266,7 +266,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--init-from",
-        help="start a new run from this drafter's weights (released format) instead of random",
+        help="start a new run from this drafter's weights (released format) instead of random; "
+        "a drafter with fewer layers than --num-layers is grown (new layers start as the identity)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--export", help="also write the final drafter here (released format)")

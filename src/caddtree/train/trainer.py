@@ -19,6 +19,7 @@ safetensors plus JSON.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -324,7 +325,8 @@ def train_drafter(
     ``stop_token_ids`` always join a draft vocabulary. ``init_from`` starts a new run from the
     weights of a drafter in the released format (for example the one shipped, to train it
     further in a later session on a fresh machine) instead of random weights; its architecture
-    and draft vocabulary are kept, and a fresh optimiser starts. A resumed run
+    and draft vocabulary are kept (a drafter with fewer layers than ``config.num_layers`` is
+    grown with :func:`grow_drafter`), and a fresh optimiser starts. A resumed run
     with the same settings continues exactly as an uninterrupted one would; ``steps`` may change
     on resume, and the learning-rate schedule then follows the new total.
     """
@@ -347,14 +349,23 @@ def train_drafter(
         drafter = _resumed_drafter(ckpt, state, config)
     elif init_from is not None:
         drafter = load_trained_drafter(init_from).float()
-        if drafter.config.num_hidden_layers != config.num_layers or (
-            drafter.block_size != config.block_size
-        ):
+        have = drafter.config.num_hidden_layers
+        if have > config.num_layers or drafter.block_size != config.block_size:
             raise InvalidInputError(
-                f"{init_from} has {drafter.config.num_hidden_layers} layers and block size "
-                f"{drafter.block_size}; pass the same --num-layers and --block-size"
+                f"{init_from} has {have} layers and block size {drafter.block_size}; pass "
+                "the same --block-size and at least as many --num-layers"
             )
-        logger.info("starting from the weights of %s", init_from)
+        if have < config.num_layers:
+            torch.manual_seed(config.seed)
+            drafter = grow_drafter(drafter, config.num_layers)
+            logger.info(
+                "starting from the weights of %s, grown from %d to %d layers",
+                init_from,
+                have,
+                config.num_layers,
+            )
+        else:
+            logger.info("starting from the weights of %s", init_from)
     else:
         drafter = _new_drafter(target, data, config, stop_token_ids)
     config.target_layer_ids = list(drafter.target_layer_ids)
@@ -551,6 +562,36 @@ def _default_mask_token(target: Any, data: TrainingData) -> int:
         if tok not in used:
             return tok
     raise InvalidInputError("every vocabulary id occurs in the data; pass mask_token_id explicitly")
+
+
+def grow_drafter(drafter: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
+    """``drafter`` with layers appended up to ``num_layers``, computing the same function.
+
+    Each new layer starts as a copy of the last one with its two output projections
+    (attention ``o_proj`` and MLP ``down_proj``) at zero, so that it adds nothing to the
+    residual stream: training continues from the smaller drafter's quality and the new layer
+    learns only what helps (function-preserving growth, as in progressive stacking).
+    """
+    have = drafter.config.num_hidden_layers
+    if not have <= num_layers:
+        raise InvalidInputError(f"cannot grow a {have}-layer drafter to {num_layers} layers")
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[0]] * num_layers
+    grown = DFlashDraftModel(config).to(drafter.dtype)
+    state = drafter.state_dict()
+    last = f"layers.{have - 1}."
+    for i in range(have, num_layers):
+        for key, value in list(state.items()):
+            if key.startswith(last):
+                new_key = f"layers.{i}." + key[len(last) :]
+                zero = key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                state[new_key] = torch.zeros_like(value) if zero else value.clone()
+    missing, unexpected = grown.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("rotary_emb")]:
+        raise CheckpointError(f"growing the drafter left {missing} unset and {unexpected} unused")
+    return grown
 
 
 def load_trained_drafter(directory: str | os.PathLike[str]) -> DFlashDraftModel:
