@@ -11,7 +11,8 @@ For each budget it prints the median microseconds of:
 * ``caddtree`` - ``build_caddtree(logits, ...)`` with a cost model whose optimum lands near that
   budget (the printed ``n*`` is the size it chose), everything included;
 
-and ``caddtree / topk1024``. The three are timed in alternation, so machine drift falls on all.
+and ``caddtree / topk1024``. The three are timed in alternation, in an order rotated every
+repetition, so machine drift and the after-effects of one on the next fall on all.
 The logits are synthetic: a drafter-like mix of confident and uncertain positions.
 """
 
@@ -70,8 +71,12 @@ def alternating_medians(fns: dict, repeats: int) -> dict[str, float]:
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        # rotate the order: what runs right after a multi-threaded op pays for its idle
+        # helper threads still spinning, so no function may always come first or last
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

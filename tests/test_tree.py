@@ -377,26 +377,40 @@ def test_rows_of_ties_are_read_until_something_is_usable():
     k=st.sampled_from([1, 2, 5, 32]),
     levels=st.sampled_from([3, 50, 0]),
     spike=st.sampled_from(["none", "tail", "head", "mostly-inf"]),
+    dtype=st.sampled_from([np.float32, np.float64]),
     seed=st.integers(0, 10**6),
 )
-def test_chunked_row_topk_equals_topk(extra, k, levels, spike, seed):
-    """The chunk-max selection returns exactly ``torch.topk``'s values, at ids holding them:
-    with ties (few levels), the best entries in the short last chunk, and rows of -inf."""
-    from caddtree.tree import CHUNK, _row_topk
+def test_chunked_selection_finds_the_k_largest(extra, k, levels, spike, dtype, seed):
+    """The chunk-max selection returns exactly the ``k`` largest values, at indices holding
+    them: with ties (few levels), the best entries in the short last chunk, rows of -inf."""
+    from caddtree.tree import CHUNK, _top_candidates
 
     vocab = 8 * 32 * CHUNK + extra  # large enough for the chunked path at every k drawn
-    gen = torch.Generator().manual_seed(seed)
-    row = torch.randn(vocab, generator=gen, dtype=torch.float64) * 3
+    rng = np.random.default_rng(seed)
+    row = rng.normal(size=vocab) * 3
     if levels:
-        row = torch.round(row * levels / 10)
+        row = np.round(row * levels / 10)
     if spike == "tail":
         row[-1 - extra // 2] = 100.0
     elif spike == "head":
         row[:k] = 100.0
     elif spike == "mostly-inf":
-        row.fill_(-math.inf)
-        row[torch.randint(0, vocab, (3,), generator=gen)] = 1.0
-    vals, ids = _row_topk(row, k)
-    assert torch.equal(vals, torch.topk(row, k).values)
-    assert torch.equal(row[ids], vals) and len(set(ids.tolist())) == k
-    assert int(ids.min()) >= 0 and int(ids.max()) < vocab
+        row[:] = -math.inf
+        row[rng.integers(0, vocab, 3)] = 1.0
+    row = row.astype(dtype)
+    vals, ids = _top_candidates(row, k)
+    np.testing.assert_array_equal(np.sort(vals), np.sort(row)[-k:])
+    np.testing.assert_array_equal(row[ids], vals)
+    assert len(set(ids.tolist())) == k and ids.min() >= 0 and ids.max() < vocab
+
+
+def test_torch_rows_on_the_cpu_are_read_like_numpy_rows():
+    """float32, bfloat16 and float64 tensors give the trees of the same logits in numpy."""
+    logits = np.random.default_rng(5).normal(size=(6, 40_000)) * 2
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        t = torch.tensor(logits).to(dtype)
+        expected = build_ddtree(t.double().numpy(), 60)
+        got = build_ddtree(t, 60)
+        assert np.array_equal(got.token_ids, expected.token_ids)
+        assert np.array_equal(got.parents, expected.parents)
+        np.testing.assert_allclose(got.log_probs, expected.log_probs, atol=1e-4)

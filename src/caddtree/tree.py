@@ -32,10 +32,9 @@ expansion first reaches it).
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -188,65 +187,74 @@ FIRST_K = 32
 reaches its last usable candidate."""
 
 
-@contextlib.contextmanager
-def _one_cpu_thread(row: Any) -> Iterator[None]:
-    """Run the reads of one CPU row on one thread.
-
-    A row is too small to share: on two cores a parallel reduction over 152k logits saves
-    little when the machine is idle, and when anything else runs it waits on the descheduled
-    helper thread (one logsumexp took 25 ms instead of 0.2 ms while a training job ran). The setting is
-    process-wide and restored at once; GPU rows are left alone.
-    """
-    import torch
-
-    threads = torch.get_num_threads()
-    if row.device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def _logsumexp(row: np.ndarray, peak: float | None = None) -> float:
+    """``log(sum(exp(row)))`` in the row's precision (``peak``: the row's max, if known); the
+    row's max if that is not finite."""
+    m = row.max() if peak is None else peak
+    if not np.isfinite(m):
+        return float(m)
+    return float(m) + math.log(float(np.exp(row - m).sum()))
 
 
 CHUNK = 128
-"""Width of the chunks :func:`_row_topk` takes row maxima over."""
+"""Width of the chunks whose maxima :func:`_top_candidates` selects from."""
 
 
-def _row_topk(row: Any, k: int) -> tuple[Any, Any]:
-    """``torch.topk(row, k)`` of a 1-D tensor (the same values; tied tokens at the cut may
-    differ, as they may between two ``topk`` calls), reading the row about twice as fast.
+def _chunk_maxima(row: np.ndarray) -> np.ndarray:
+    """The max of each :data:`CHUNK` entries of ``row`` (the last chunk may be shorter).
 
-    A full top-k selects over the whole row. Here the row is cut into chunks of
-    :data:`CHUNK`, a cheap vectorised max is taken per chunk, and the top-``k`` then runs over
-    only the chunks whose max reaches the ``k``-th largest chunk max ``t``. That is exact:
-    ``k`` chunks have a max of at least ``t``, so the ``k`` largest entries are all ``>= t``,
-    and every entry ``>= t`` lies in a chunk whose max is ``>= t``.
+    torch's reduction over the last axis is several times faster than numpy's here; it runs on
+    one thread (a parallel reduction this small waits on a descheduled helper thread whenever
+    the machine is busy: 25 ms instead of 0.2 ms while a training job ran).
     """
     import torch
 
+    full = row.shape[0] // CHUNK
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        maxima = torch.from_numpy(row[: full * CHUNK]).reshape(full, CHUNK).amax(dim=1).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    if row.shape[0] > full * CHUNK:
+        maxima = np.append(maxima, row[full * CHUNK :].max())
+    return maxima
+
+
+def _chunked(vocab: int, k: int) -> bool:
+    """Whether selecting among chunk maxima saves work for a top-``k`` of ``vocab`` entries."""
+    return k * CHUNK * 8 <= vocab
+
+
+def _top_candidates(
+    row: np.ndarray, k: int, maxima: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` largest entries of a 1-D array with a finite max, and their indices, in no
+    order (tied entries at the cut may be any of them, as with ``torch.topk``). ``maxima`` are
+    the row's :func:`_chunk_maxima` when :func:`_chunked` (computed here if not given).
+
+    A selection over the whole row costs a pass with a partition. Here the row is cut into
+    chunks of :data:`CHUNK`, a vectorised max is taken per chunk, and the selection then runs
+    over only the chunks whose max reaches the ``k``-th largest chunk max ``t``. That is exact:
+    ``k`` chunks have a max of at least ``t``, so the ``k`` largest entries are all ``>= t``, and
+    every entry ``>= t`` lies in a chunk whose max is ``>= t``.
+    """
     vocab = row.shape[0]
-    full = vocab // CHUNK
-    if k * CHUNK * 8 > vocab:  # few chunks: selecting among them saves nothing
-        return torch.topk(row, k)
-    head = row[: full * CHUNK].view(full, CHUNK)
-    maxima = torch.amax(head, dim=1)
-    tail = row[full * CHUNK :]
-    if tail.numel():
-        maxima = torch.cat((maxima, tail.max().reshape(1)))
-    cut = torch.topk(maxima, k).values[-1]
-    chosen = torch.nonzero(maxima >= cut).squeeze(1)
-    with_tail = bool(tail.numel()) and int(chosen[-1]) == full  # the short last chunk
-    if with_tail:
-        chosen = chosen[:-1]
-    candidates = head.index_select(0, chosen).reshape(-1)
-    ids = (chosen[:, None] * CHUNK + torch.arange(CHUNK, device=row.device)).reshape(-1)
-    if with_tail:
-        candidates = torch.cat((candidates, tail))
-        ids = torch.cat((ids, torch.arange(full * CHUNK, vocab, device=row.device)))
-    vals, at = torch.topk(candidates, k)
-    return vals, ids[at]
+    if k >= vocab:
+        return row, np.arange(vocab)
+    if not _chunked(vocab, k):
+        idx = np.argpartition(row, vocab - k)[vocab - k :]
+        return row[idx], idx
+    if maxima is None:
+        maxima = _chunk_maxima(row)
+    cut = np.partition(maxima, maxima.shape[0] - k)[maxima.shape[0] - k]
+    chosen = np.flatnonzero(maxima >= cut)
+    ids = (chosen[:, None] * CHUNK + np.arange(CHUNK)).ravel()
+    if chosen[-1] == vocab // CHUNK:  # the short last chunk
+        ids = ids[ids < vocab]
+    candidates = row[ids]
+    pick = np.argpartition(candidates, candidates.shape[0] - k)[candidates.shape[0] - k :]
+    return candidates[pick], ids[pick]
 
 
 class _Candidates:
@@ -321,27 +329,35 @@ class _Candidates:
         k = min(k, self.vocab)
         first = self._k[i] == 0
         row = self._row(i)
-        if _is_torch_tensor(row):
+        if _is_torch_tensor(row) and row.device.type != "cpu":
             import torch
 
-            with torch.no_grad(), _one_cpu_thread(row):
-                if row.dtype != torch.float64:
-                    row = row.float()  # half-precision logits are normalised in float32
+            with torch.no_grad():
+                row = row.float() if row.dtype != torch.float64 else row
                 if first:
                     self._lse[i] = float(torch.logsumexp(row, 0))
-                vals, idx = _row_topk(row, k)
+                    self._check_finite(i)
+                vals, idx = torch.topk(row, k)
             vals, idx = vals.double().cpu().numpy(), idx.cpu().numpy()
         else:
-            row = np.asarray(row).astype(np.float64, copy=False)
+            # CPU rows are read with numpy, in place: its reductions and exp run on the calling
+            # thread with little overhead per call (a parallel torch reduction over one row
+            # waits on a descheduled helper thread whenever the machine is busy)
+            if _is_torch_tensor(row):
+                row = row.detach()
+                if str(row.dtype) not in ("torch.float32", "torch.float64"):
+                    row = row.float()  # half-precision logits are normalised in float32
+                row = row.numpy()
+            row = np.asarray(row)
+            if row.dtype not in (np.float32, np.float64):
+                row = row.astype(np.float64)
+            row = np.ascontiguousarray(row)
+            maxima = _chunk_maxima(row) if _chunked(self.vocab, k) else None
             if first:
-                m = row.max()
-                self._lse[i] = float(m + np.log(np.exp(row - m).sum())) if np.isfinite(m) else m
-            idx = np.argpartition(-row, k - 1)[:k] if k < self.vocab else np.arange(self.vocab)
-            vals = row[idx]
-        if first and not math.isfinite(self._lse[i]) or np.isnan(vals).any():
-            raise InvalidInputError(
-                "draft logits contain NaN or infinity (or a row with no finite logit)"
-            )
+                self._lse[i] = _logsumexp(row, None if maxima is None else maxima.max())
+                self._check_finite(i)
+            vals, idx = _top_candidates(row, k, maxima)
+            vals = vals.astype(np.float64)
         order = np.lexsort((idx, -vals))  # by value, then by token id
         vals, idx = vals[order], idx[order]
         usable = k if k >= self.vocab else int(np.count_nonzero(vals > vals[-1]))
@@ -351,6 +367,13 @@ class _Candidates:
         self._k[i] = k
         self.values[i].extend((vals[have:usable] - self._lse[i]).tolist())
         self.ids[i].extend(idx[have:usable].tolist())
+
+    def _check_finite(self, i: int) -> None:
+        # the max of a row with a NaN is NaN, so one check on the normaliser covers the row
+        if not math.isfinite(self._lse[i]):
+            raise InvalidInputError(
+                "draft logits contain NaN or infinity (or a row with no finite logit)"
+            )
 
     def token_ids(self, depths: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Token id of the ``ranks[j]``-th candidate at depth ``depths[j]``."""
