@@ -383,7 +383,7 @@ def test_rows_of_ties_are_read_until_something_is_usable():
 def test_chunked_selection_finds_the_k_largest(extra, k, levels, spike, dtype, seed):
     """The chunk-max selection returns exactly the ``k`` largest values, at indices holding
     them: with ties (few levels), the best entries in the short last chunk, rows of -inf."""
-    from caddtree.tree import CHUNK, _top_candidates
+    from caddtree.rows import CHUNK, top_candidates
 
     vocab = 8 * 32 * CHUNK + extra  # large enough for the chunked path at every k drawn
     rng = np.random.default_rng(seed)
@@ -398,7 +398,7 @@ def test_chunked_selection_finds_the_k_largest(extra, k, levels, spike, dtype, s
         row[:] = -math.inf
         row[rng.integers(0, vocab, 3)] = 1.0
     row = row.astype(dtype)
-    vals, ids = _top_candidates(row, k)
+    vals, ids = top_candidates(row, k)
     np.testing.assert_array_equal(np.sort(vals), np.sort(row)[-k:])
     np.testing.assert_array_equal(row[ids], vals)
     assert len(set(ids.tolist())) == k and ids.min() >= 0 and ids.max() < vocab

@@ -43,6 +43,7 @@ import numpy as np
 
 from .checks import check_int
 from .errors import InvalidInputError
+from .rows import chunk_maxima, chunked, logsumexp, top_candidates
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
@@ -187,76 +188,6 @@ FIRST_K = 32
 reaches its last usable candidate."""
 
 
-def _logsumexp(row: np.ndarray, peak: float | None = None) -> float:
-    """``log(sum(exp(row)))`` in the row's precision (``peak``: the row's max, if known); the
-    row's max if that is not finite."""
-    m = row.max() if peak is None else peak
-    if not np.isfinite(m):
-        return float(m)
-    return float(m) + math.log(float(np.exp(row - m).sum()))
-
-
-CHUNK = 128
-"""Width of the chunks whose maxima :func:`_top_candidates` selects from."""
-
-
-def _chunk_maxima(row: np.ndarray) -> np.ndarray:
-    """The max of each :data:`CHUNK` entries of ``row`` (the last chunk may be shorter).
-
-    torch's reduction over the last axis is several times faster than numpy's here; it runs on
-    one thread (a parallel reduction this small waits on a descheduled helper thread whenever
-    the machine is busy: 25 ms instead of 0.2 ms while a training job ran).
-    """
-    import torch
-
-    full = row.shape[0] // CHUNK
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        maxima = torch.from_numpy(row[: full * CHUNK]).reshape(full, CHUNK).amax(dim=1).numpy()
-    finally:
-        torch.set_num_threads(threads)
-    if row.shape[0] > full * CHUNK:
-        maxima = np.append(maxima, row[full * CHUNK :].max())
-    return maxima
-
-
-def _chunked(vocab: int, k: int) -> bool:
-    """Whether selecting among chunk maxima saves work for a top-``k`` of ``vocab`` entries."""
-    return k * CHUNK * 8 <= vocab
-
-
-def _top_candidates(
-    row: np.ndarray, k: int, maxima: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` largest entries of a 1-D array with a finite max, and their indices, in no
-    order (tied entries at the cut may be any of them, as with ``torch.topk``). ``maxima`` are
-    the row's :func:`_chunk_maxima` when :func:`_chunked` (computed here if not given).
-
-    A selection over the whole row costs a pass with a partition. Here the row is cut into
-    chunks of :data:`CHUNK`, a vectorised max is taken per chunk, and the selection then runs
-    over only the chunks whose max reaches the ``k``-th largest chunk max ``t``. That is exact:
-    ``k`` chunks have a max of at least ``t``, so the ``k`` largest entries are all ``>= t``, and
-    every entry ``>= t`` lies in a chunk whose max is ``>= t``.
-    """
-    vocab = row.shape[0]
-    if k >= vocab:
-        return row, np.arange(vocab)
-    if not _chunked(vocab, k):
-        idx = np.argpartition(row, vocab - k)[vocab - k :]
-        return row[idx], idx
-    if maxima is None:
-        maxima = _chunk_maxima(row)
-    cut = np.partition(maxima, maxima.shape[0] - k)[maxima.shape[0] - k]
-    chosen = np.flatnonzero(maxima >= cut)
-    ids = (chosen[:, None] * CHUNK + np.arange(CHUNK)).ravel()
-    if chosen[-1] == vocab // CHUNK:  # the short last chunk
-        ids = ids[ids < vocab]
-    candidates = row[ids]
-    pick = np.argpartition(candidates, candidates.shape[0] - k)[candidates.shape[0] - k :]
-    return candidates[pick], ids[pick]
-
-
 class _Candidates:
     """The drafter's candidates at each position, in the expansion's order, read on demand.
 
@@ -352,11 +283,11 @@ class _Candidates:
             if row.dtype not in (np.float32, np.float64):
                 row = row.astype(np.float64)
             row = np.ascontiguousarray(row)
-            maxima = _chunk_maxima(row) if _chunked(self.vocab, k) else None
+            maxima = chunk_maxima(row) if chunked(self.vocab, k) else None
             if first:
-                self._lse[i] = _logsumexp(row, None if maxima is None else maxima.max())
+                self._lse[i] = logsumexp(row, None if maxima is None else maxima.max())
                 self._check_finite(i)
-            vals, idx = _top_candidates(row, k, maxima)
+            vals, idx = top_candidates(row, k, maxima)
             vals = vals.astype(np.float64)
         order = np.lexsort((idx, -vals))  # by value, then by token id
         vals, idx = vals[order], idx[order]

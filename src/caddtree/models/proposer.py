@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from ..checks import is_int
 from ..errors import CheckpointError, InvalidInputError
 from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
-from .target import buffered_cache, compact_cache
+from .target import compact_cache
 
 __all__ = ["PROJECTION_STEPS", "DFlashProposer", "DraftLogits"]
 
@@ -171,7 +171,7 @@ class DFlashProposer:
 
     def reset(self) -> None:
         """Empty the drafter's cache (call before a new prompt)."""
-        self.cache = buffered_cache()  # context keys/values of every drafter layer
+        self.cache = DynamicCache()  # context keys/values of every drafter layer
         self._context_length = 0
 
     def crop(self, context_length: int) -> None:

@@ -37,9 +37,7 @@ from ..errors import CaddtreeError, CheckpointError, InvalidInputError
 from ..tree import DraftTree
 
 __all__ = [
-    "BufferedLayer",
     "TreeVerifier",
-    "buffered_cache",
     "check_model_location",
     "checkpoint_errors",
     "compact_cache",
@@ -220,91 +218,8 @@ def compact_cache(cache: Cache, prefix_length: int, keep: Sequence[int] = ()) ->
         layer.values = layer.values[..., :new_length, :]
 
 
-class BufferedLayer(DynamicLayer):
-    """A full-attention ``DynamicLayer`` whose keys and values live in a buffer with spare room.
-
-    transformers' ``DynamicLayer`` appends with ``torch.cat``: every round re-copies the layer's
-    whole cache into a fresh tensor (at 8k tokens of SmolLM2-135M, 186 MiB a round) and leaves
-    the allocator a trail of freed blocks one round too small to reuse. Here appending writes in
-    place after the last entry; only when the buffer is full does it move to one half as large
-    again (so copies are amortised O(1) per token). ``keys``/``values`` stay views of the
-    buffer's first ``length`` entries, which is all attention, :func:`compact_cache` and
-    ``crop`` see. Anything that replaces them with other tensors (offloading, batch selection)
-    is noticed, and the buffer is rebuilt from them.
-    """
-
-    MIN_CAPACITY = 256
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length = self.get_seq_length()
-        end = length + key_states.shape[-2]
-        if not self._fits(key_states, value_states, end):
-            capacity = max(self.MIN_CAPACITY, end + end // 2)
-            buffers = []
-            for old, new in ((self.keys, key_states), (self.values, value_states)):
-                shape = (*new.shape[:-2], capacity, new.shape[-1])
-                buffer = new.new_empty(shape)
-                if length:
-                    buffer[..., :length, :] = old
-                buffers.append(buffer)
-            self._buffers = (buffers[0], buffers[1])
-        key_buffer, value_buffer = self._buffers
-        key_buffer[..., length:end, :] = key_states
-        value_buffer[..., length:end, :] = value_states
-        self.keys = key_buffer[..., :end, :]
-        self.values = value_buffer[..., :end, :]
-        return self.keys, self.values
-
-    def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> bool:
-        """Whether the buffer exists, still backs ``keys``/``values``, and has room up to ``end``."""
-        if getattr(self, "_buffers", None) is None:
-            return False
-        for view, buffer, new in zip(
-            (self.keys, self.values), self._buffers, (key_states, value_states)
-        ):
-            if (
-                buffer.shape[-2] < end
-                or buffer.shape[:-2] != new.shape[:-2]
-                or buffer.shape[-1] != new.shape[-1]
-                or buffer.dtype != new.dtype
-                or buffer.device != new.device
-            ):
-                return False
-            if view.numel() and (
-                view.data_ptr() != buffer.data_ptr() or view.stride() != buffer.stride()
-            ):
-                return False
-        return True
-
-    def reset(self) -> None:
-        self._buffers = None
-        super().reset()
-
-
-def buffered_cache(config: Any | None = None) -> DynamicCache:
-    """A ``DynamicCache`` whose full-attention layers are :class:`BufferedLayer` s (layers of other
-    kinds, such as sliding windows, are kept as transformers made them). With ``config`` the
-    layers are made up front; without, one is added per layer at its first update."""
-    cache = DynamicCache(config=config)
-    if config is None:
-        cache.layer_class_to_replicate = BufferedLayer
-    else:
-        cache.layers = [
-            BufferedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
-        ]
-    return cache
-
-
 def _check_full_attention(layer_idx: int, layer: Any) -> None:
-    if type(layer) not in (DynamicLayer, BufferedLayer):
+    if type(layer) is not DynamicLayer:
         raise InvalidInputError(
             f"KV-cache layer {layer_idx} is a {type(layer).__name__}; tree verification and "
             "compaction need full-attention DynamicCache layers (no sliding windows)"
@@ -372,7 +287,7 @@ class TreeVerifier:
 
     def reset(self) -> None:
         """Empty the KV cache (call before a new prompt)."""
-        self.cache = buffered_cache(self.model.config)
+        self.cache = DynamicCache(config=self.model.config)
         self._length = 0
         self._pending: tuple[DraftTree, torch.Tensor] | None = None
 
