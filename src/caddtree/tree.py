@@ -260,9 +260,9 @@ class _Candidates:
         k = min(k, self.vocab)
         first = self._k[i] == 0
         row = self._row(i)
+        if _is_torch_tensor(row):
+            import torch  # loaded already: the row is a tensor
         if _is_torch_tensor(row) and row.device.type != "cpu":
-            import torch
-
             with torch.no_grad():
                 row = row.float() if row.dtype != torch.float64 else row
                 if first:
@@ -276,7 +276,7 @@ class _Candidates:
             # waits on a descheduled helper thread whenever the machine is busy)
             if _is_torch_tensor(row):
                 row = row.detach()
-                if str(row.dtype) not in ("torch.float32", "torch.float64"):
+                if row.dtype not in (torch.float32, torch.float64):
                     row = row.float()  # half-precision logits are normalised in float32
                 row = row.numpy()
             row = np.asarray(row)

@@ -356,7 +356,6 @@ def train_drafter(
                 "the same --block-size and at least as many --num-layers"
             )
         if have < config.num_layers:
-            torch.manual_seed(config.seed)
             drafter = grow_drafter(drafter, config.num_layers)
             logger.info(
                 "starting from the weights of %s, grown from %d to %d layers",
