@@ -18,8 +18,10 @@ and compares the growth with the KV cache the call needs: bytes per token of the
 context cache), times the tokens in the context at the end. It says whether memory returned to its
 level (within ``--tolerance`` MiB of ``before``).
 
-The target's window (``max_position_embeddings``: 8192 for SmolLM2-135M) bounds the context: a
-``--max-new-tokens`` beyond ``window - prompt`` is lowered to fit, with a note.
+The target's window (``max_position_embeddings``: 8192 for SmolLM2-135M) is raised to fit the
+prompt and ``--max-new-tokens`` (``SpeculativeGenerator(context_window=...)``, with a note: past
+its window the model's positions are extrapolated, and the output is still plain decoding's);
+``--keep-window`` lowers ``--max-new-tokens`` to fit the window instead.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tolerance", type=float, default=32.0, help="MiB (default 32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--keep-window",
+        action="store_true",
+        help="lower --max-new-tokens to fit the target's window instead of raising the window",
+    )
     args = parser.parse_args(argv)
 
     from caddtree.api import SpeculativeGenerator
@@ -112,11 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.max_new_tokens
     note = None
     if window is not None and len(prompt_ids) + tokens > window:
-        tokens = window - len(prompt_ids)
-        note = (
-            f"--max-new-tokens {args.max_new_tokens} does not fit the target's window of {window} "
-            f"positions after a {len(prompt_ids)}-token prompt; generating {tokens} instead"
-        )
+        if args.keep_window:
+            tokens = window - len(prompt_ids)
+            note = (
+                f"--max-new-tokens {args.max_new_tokens} does not fit the target's window of "
+                f"{window} positions after a {len(prompt_ids)}-token prompt; generating {tokens} "
+                "instead"
+            )
+        else:
+            gen.set_context_window(len(prompt_ids) + tokens)
+            note = (
+                f"the target's window of {window} positions was raised to "
+                f"{len(prompt_ids) + tokens} (prompt + --max-new-tokens)"
+            )
         print(f"note: {note}", file=sys.stderr)
 
     run = {"method": args.method, "budget": budget, "stop_token_ids": ()}

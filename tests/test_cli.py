@@ -388,6 +388,7 @@ def test_compare_ar_dtype_errors(capsys, tiny_pair_dirs, extra, message):
         (["--method", "ar", "--temperature", "1e-320"], "use 0 for greedy decoding"),
         (["--method", "ar", "--seed", "-1"], "seed must be an integer"),
         (["--cost-model", "/no/such/cost.json"], "cost-model file not found"),
+        (["--context-window", "1"], "--context-window must be an integer >= 2, got 1"),
     ],
 )
 def test_cheap_checks_come_before_loading_any_model(capsys, tmp_path, extra, message):

@@ -278,3 +278,26 @@ def test_the_dflash_proposer_and_the_oracle_are_proposers(qwen3, drafter):
     assert isinstance(DFlashProposer(drafter, qwen3), Proposer)
     assert isinstance(OracleProposer(qwen3, PROMPTS[0]), Proposer)
     assert not isinstance(object(), Proposer)
+
+
+def test_a_raised_context_window_lets_generation_run_past_the_models_window(caplog):
+    """The window (max_position_embeddings) refuses a generation that would pass it, naming the
+    way out; a raised context_window lets it run (with a warning), still equal to plain decoding
+    past the trained positions, and with the cache written in place (caddtree.models.kvcache)."""
+    from caddtree.api import SpeculativeGenerator
+
+    target = llama_target()
+    gen = SpeculativeGenerator(target, None, new_drafter(target))
+    prompt = [3, 9, 27, 14, 5]
+    tokens = MAX_POSITIONS + 20 - len(prompt)
+    with pytest.raises(InvalidInputError, match="--context-window"):
+        gen.generate(prompt, "ddtree", budget=8, max_new_tokens=tokens)
+    with caplog.at_level("WARNING", logger="caddtree.api"):
+        gen.set_context_window(MAX_POSITIONS + 20)
+    assert f"past the {MAX_POSITIONS} positions this model was trained for" in caplog.text
+    ar = gen.generate(prompt, "ar", max_new_tokens=tokens, stop_token_ids=())
+    dd = gen.generate(prompt, "ddtree", budget=8, max_new_tokens=tokens, stop_token_ids=())
+    assert len(ar.token_ids) == tokens and dd.token_ids == ar.token_ids
+    for bad in (0, 1, 2.5, "64"):
+        with pytest.raises(InvalidInputError, match="context_window"):
+            gen.set_context_window(bad)

@@ -9,6 +9,7 @@ mask, position or cache entry changes logits by O(0.1), far above either toleran
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -253,13 +254,18 @@ def _deepest_branch_node(tree: DraftTree) -> int:
     return max(candidates, key=lambda i: tree.depths[i - 1])
 
 
+@pytest.mark.parametrize("reserve", [None, 12, 256], ids=["dynamic", "outgrown", "reserved"])
 @pytest.mark.parametrize("kind", ["branch", "first-nodes", "bonus-only"])
-def test_commit_compacts_the_cache_exactly(target, kind):
+def test_commit_compacts_the_cache_exactly(target, kind, reserve):
+    """Also with room reserved (caddtree.models.kvcache): 12 positions are outgrown by the
+    first tree, 256 never are, and the keys then stay in the buffer written at the prefill."""
     model, attn = target
     tol = TOL[attn]
     verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
+    verifier.reset(reserve=reserve)
     prompt, bonus = prompt_ids(4), 5
     _, prompt_features = verifier.prefill(prompt)
+    first_buffer = verifier.cache.layers[0].keys.data_ptr()
     tree = random_tree(4)
     verifier.verify(bonus, tree)
     node = {"branch": _deepest_branch_node(tree), "first-nodes": 2, "bonus-only": 0}[kind]
@@ -288,6 +294,17 @@ def test_commit_compacts_the_cache_exactly(target, kind):
     for i in range(len(next_tree) + 1):
         ids = committed + [next_bonus] + path_tokens(next_tree, i)
         assert_close(logits[i], sequential(model, ids).logits[0, -1], tol)
+    layer = verifier.cache.layers[0]
+    in_place = layer.keys.data_ptr() == first_buffer
+    assert type(layer).__name__ == ("DynamicLayer" if reserve is None else "ReservedLayer")
+    assert in_place == (reserve == 256)
+    if reserve == 256:  # every layer's room is one allocation, returned whole when it is dropped
+        storages = {
+            t.untyped_storage().data_ptr()
+            for layer in verifier.cache.layers
+            for t in (layer.keys, layer.values)
+        }
+        assert len(storages) == 1
 
 
 def test_commit_rejects_a_non_path(qwen3):
@@ -557,3 +574,25 @@ def test_rounds_keep_the_drafter_in_step_with_the_target(qwen3, saved):
         bonus, extract_context_features(reference, drafter.target_layer_ids)
     )
     assert_close(proposer.propose(bonus, features), fresh, 1e-10)
+
+
+def test_freed_heap_memory_goes_back_to_the_system():
+    """What SpeculativeGenerator.decode calls after a long generation on the CPU: pages that
+    glibc kept on its heap after a free are handed back (RSS falls)."""
+    from caddtree.models.kvcache import _malloc_trim, return_freed_memory
+
+    if _malloc_trim() is None or not Path("/proc/self/statm").exists():
+        pytest.skip("needs glibc's malloc_trim and /proc (Linux)")
+
+    def rss_mib() -> float:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    # 64 KiB blocks come from the heap; the last one stays, so the heap top cannot shrink alone
+    blocks = [torch.ones(16 * 1024) for _ in range(2048)]  # 128 MiB, every page touched
+    keep = blocks[-1]
+    del blocks
+    before = rss_mib()
+    return_freed_memory()
+    assert rss_mib() < before - 64, (before, rss_mib())
+    assert keep.sum().item() == 16 * 1024

@@ -601,3 +601,29 @@ def test_any_generation_parameter_works_or_is_refused(gen, cost, greedy, method,
     # lossless: greedy decoding's tokens (top-k, top-p and min-p leave greedy decoding alone)
     if kwargs["temperature"] == 0 and kwargs["repetition_penalty"] == 1 and not kwargs["stop"]:
         assert out.token_ids == greedy[:limit]
+
+
+@SUITE
+@given(window=ANY_NUMBER | st.integers(-2, 200))
+def test_any_context_window_is_set_or_refused(gen, greedy, window):
+    """A context window is an integer >= 2; under one that is too small for the request, the
+    generation is refused clearly; otherwise it is greedy decoding's output."""
+    limit = gen.verifier.max_positions
+    try:
+        try:
+            gen.set_context_window(window)
+        except CaddtreeError as exc:
+            assert_clear(exc, "context_window")
+            return
+        assert gen.verifier.max_positions == window
+        try:
+            out = gen.generate(
+                PROMPT, method="ddtree", budget=8, max_new_tokens=5, stop_token_ids=()
+            )
+        except CaddtreeError as exc:
+            assert window < len(PROMPT) + 5
+            assert_clear(exc, "context")
+            return
+        assert out.token_ids == greedy[:5]
+    finally:
+        gen.verifier.max_positions = limit

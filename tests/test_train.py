@@ -13,7 +13,12 @@ from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
 from caddtree.train.data import TrainingData, generate_responses, prepare_data
 from caddtree.train.features import compute_features
-from caddtree.train.trainer import TrainConfig, build_training_batch, train_drafter
+from caddtree.train.trainer import (
+    TrainConfig,
+    build_training_batch,
+    dpace_weights,
+    train_drafter,
+)
 from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
 
@@ -427,3 +432,44 @@ def test_growing_a_drafter_keeps_its_function_and_trains_on(target, data, tmp_pa
             progress=False,
             init_from=second,
         )
+
+
+def test_dpace_weights_are_each_positions_share_of_the_accepted_length():
+    # one block of four positions: confidences 0.5, 1, 0.25, and a label outside the vocabulary
+    valid = torch.tensor([[True, True, True, False]])
+    q = torch.tensor([0.5, 1.0, 0.25])
+    w = dpace_weights(-torch.log(q), valid, alpha=0.5)
+    s = 0.5 * q + 0.5  # smoothed: 0.75, 1.0, 0.625
+    reach = [s[0], s[0] * s[1], s[0] * s[1] * s[2]]  # chance to reach past each position
+    expected = [reach[0] + reach[1] + reach[2], reach[1] + reach[2], reach[2], 0.0]
+    assert torch.allclose(w, torch.tensor([expected]))
+    # alpha = 1 ignores the confidences: position j weighs the positions left from it
+    w1 = dpace_weights(-torch.log(q), valid, alpha=1.0)
+    assert torch.equal(w1, torch.tensor([[3.0, 2.0, 1.0, 0.0]]))
+    # an invalid position ends the chain: nothing after it is weighed
+    gap = torch.tensor([[True, False, True]])
+    assert dpace_weights(torch.zeros(2), gap, 0.5).tolist() == [[1.0, 0.0, 0.0]]
+
+
+def test_dpace_weighting_trains_and_is_kept_on_resume(target, data, tmp_path):
+    cfg = config(steps=200, loss_weighting="dpace", save_every=100, eval_every=50)
+    train_drafter(target, data, tmp_path, cfg, resume=False, progress=False, stop_after=100)
+    # resuming under the other weighting is refused: it would be another run
+    with pytest.raises(ValueError, match="other settings"):
+        train_drafter(target, data, tmp_path, config(steps=200, save_every=100), progress=False)
+    train_drafter(target, data, tmp_path, cfg, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 200
+    first = sum(e["loss"] for e in log[:10]) / 10
+    last = sum(e["loss"] for e in log[-10:]) / 10
+    # from about ln(96) = 4.56 nats (a uniform guess) down; the weights move to later, harder
+    # positions as the drafter improves, so the weighted loss falls less than the decay's
+    assert first > 4.3 and last < first - 0.2, (first, last)
+    evals = [e["eval_loss"] for e in log if "eval_loss" in e]
+    assert len(evals) == 4 and evals[-1] < evals[0]  # held-out loss falls too
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "checkpoint", dtype=torch.float64)
+    assert_ddtree_equals_ar(target, drafter, data, 1)
+    with pytest.raises(ValueError, match="loss_weighting"):
+        config(loss_weighting="kl").validate()
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        config(dpace_alpha=0.0).validate()

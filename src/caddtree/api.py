@@ -21,6 +21,7 @@ from filelock import FileLock
 from .checks import (
     _chat_messages,
     check_chat_template_kwargs,
+    check_int,
     check_stop,
     check_text,
     check_tree_budgets,
@@ -61,6 +62,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# A generation that reached this many positions hands the heap memory it freed back (on the CPU)
+LONG_CONTEXT = 2048
 
 
 def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
@@ -140,6 +144,7 @@ class SpeculativeGenerator:
         drafter: DFlashDraftModel | None = None,
         *,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
+        context_window: int | None = None,
     ):
         from .models.proposer import DFlashProposer
         from .models.target import TreeVerifier
@@ -152,7 +157,31 @@ class SpeculativeGenerator:
         )
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         self.verifier = TreeVerifier(self.target, layer_ids)
+        if context_window is not None:
+            self.set_context_window(context_window)
         self.cost_model = self._cost_model(cost_model)
+
+    def set_context_window(self, positions: int) -> None:
+        """Let a generation's prompt and output together hold up to ``positions`` tokens.
+
+        The default is the model's ``max_position_embeddings``, and a generation that would pass
+        it is refused. A larger window is the user's choice: positions past the ones the model
+        was trained for are extrapolated by its position encoding, as plain decoding with
+        transformers would (a warning says so). The output still equals plain decoding of the
+        same model; whether it is any good past the trained window is the model's affair.
+        """
+        check_int("context_window", positions, minimum=2)
+        trained = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        if trained is not None and positions > trained:
+            logger.warning(
+                "context window %d is past the %d positions this model was trained for: "
+                "positions beyond %d are extrapolated, and text there may degrade (the output "
+                "still equals plain decoding)",
+                positions,
+                trained,
+                trained,
+            )
+        self.verifier.max_positions = positions
 
     # ---- loading ------------------------------------------------------------------------------
 
@@ -166,15 +195,18 @@ class SpeculativeGenerator:
         device: str | torch.device | None = None,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         gguf_file: str | None = None,
+        context_window: int | None = None,
         **target_kwargs: Any,
     ) -> SpeculativeGenerator:
         """Load a transformers causal LM (a local directory or hub id) with SDPA attention, its
-        tokenizer, and a DFlash drafter in the released format (``draft``; optional for ``ar``)."""
+        tokenizer, and a DFlash drafter in the released format (``draft``; optional for ``ar``).
+        ``context_window``: see :meth:`set_context_window` (default: the model's window)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from .models.dflash import DFLASH_ARCHITECTURE, DFlashDraftModel
         from .models.target import check_model_location, checkpoint_errors
 
+        check_int("context_window", context_window, minimum=2, allow_none=True)  # before loading
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -210,7 +242,9 @@ class SpeculativeGenerator:
         drafter = None
         if draft is not None:
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=torch_dtype).to(dev)
-        gen = cls(model.to(dev), tokenizer, drafter, cost_model=cost_model)
+        gen = cls(
+            model.to(dev), tokenizer, drafter, cost_model=cost_model, context_window=context_window
+        )
         gen.source = {"target": str(target), "draft": None if draft is None else str(draft)}
         return gen
 
@@ -479,10 +513,16 @@ class SpeculativeGenerator:
     ) -> GenerationResult:
         """:func:`caddtree.decoding.decode` of ``prompt_ids`` on this generator's target and
         drafter (keyword arguments as there), without text; the KV caches are let go afterwards,
-        whatever happens, since they grow with the output (see benchmarks/long_generation.py)."""
+        whatever happens, since they grow with the output, and after a long generation on the CPU
+        the heap memory it freed goes back to the system (see benchmarks/long_generation.py)."""
         try:
             return decode(self.verifier, prompt_ids, policy, proposer=self.proposer, **kwargs)
         finally:
+            reached = self.verifier.context_length
             self.verifier.reset()
             if self.proposer is not None:
                 self.proposer.reset()
+            if reached >= LONG_CONTEXT and self.verifier.device.type == "cpu":
+                from .models.kvcache import return_freed_memory
+
+                return_freed_memory()

@@ -362,7 +362,9 @@ def _checked_prompt(
             )
         raise InvalidInputError(
             f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {limit} tokens; lower max_new_tokens to {limit - len(prompt)}"
+            f"model's context of {limit} tokens; lower max_new_tokens to {limit - len(prompt)}, "
+            "or allow a longer context (context_window=, --context-window; past the model's "
+            "trained window its positions are extrapolated)"
         )
     return prompt
 
@@ -484,7 +486,9 @@ def decode(
     token_map = getattr(proposer, "token_map", None)  # proposers without one draft target ids
 
     t_start = time.perf_counter()
-    verifier.reset()
+    # room for every position the call may fill: the prompt, its output, and the last tree
+    tree_room = getattr(policy, "budget", None) or getattr(policy, "max_budget", None) or 64
+    verifier.reset(reserve=len(prompt) + max_new_tokens + int(tree_room) + 1)
     if proposer is not None:
         proposer.reset()
     logits, features = verifier.prefill(prompt)

@@ -42,7 +42,8 @@ def add_target_argument(parser: Any) -> None:
 
 def add_pair_arguments(parser: Any) -> None:
     """The options that name the model pair, as :func:`load_pair` takes them: ``--target``,
-    ``--draft``, ``--dtype`` and ``--device`` (on an ``argparse`` parser)."""
+    ``--draft``, ``--dtype``, ``--device`` and ``--context-window`` (on an ``argparse``
+    parser)."""
     add_target_argument(parser)
     parser.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
     parser.add_argument(
@@ -50,6 +51,13 @@ def add_pair_arguments(parser: Any) -> None:
     )
     parser.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    parser.add_argument(
+        "--context-window",
+        type=int,
+        metavar="N",
+        help="the most tokens prompt and output may hold together (default: the target's "
+        "max_position_embeddings); past the trained window, positions are extrapolated",
     )
 
 
@@ -91,6 +99,7 @@ def check_pair_arguments(args: argparse.Namespace) -> None:
     (``args.cost_model`` becomes the model)."""
     import torch
 
+    from .checks import check_int
     from .cost import load_cost_model
     from .devices import resolve_dtype
     from .errors import InvalidInputError
@@ -100,6 +109,8 @@ def check_pair_arguments(args: argparse.Namespace) -> None:
             f"--method {args.method} needs --draft (a DFlash checkpoint); or use --method ar"
         )
     resolve_dtype(args.dtype, torch.device("cpu"))
+    if getattr(args, "context_window", None) is not None:
+        check_int("--context-window", args.context_window, minimum=2)
     if args.cost_model is not None:
         args.cost_model = load_cost_model(args.cost_model)
 
@@ -115,6 +126,7 @@ def load_pair_of(args: argparse.Namespace, *, with_drafter: bool = True) -> Spec
         cost_model=args.cost_model,
         method=args.method,
         with_drafter=with_drafter,
+        context_window=getattr(args, "context_window", None),
     )
 
 
@@ -127,10 +139,12 @@ def load_pair(
     cost_model: CostModel | str | os.PathLike[str] | None = None,
     method: str | None = None,
     with_drafter: bool = True,
+    context_window: int | None = None,
 ) -> SpeculativeGenerator:
     """The generator of ``target`` and ``draft`` (both ``None``: the built-in pair, in bfloat16 for
     ``dtype="auto"``), without its drafter unless ``with_drafter``. For ``method="caddtree"`` its
     cost model is ``cost_model``, else the cached one for this machine (profiled on first use).
+    ``context_window``: see :meth:`~caddtree.api.SpeculativeGenerator.set_context_window`.
     ``generator.source`` names the models loaded."""
     from .api import SpeculativeGenerator
     from .defaults import resolve_model_pair
@@ -142,6 +156,7 @@ def load_pair(
         dtype=dtype,
         device=device,
         cost_model=cost_model,
+        context_window=context_window,
     )
     if method == "caddtree" and gen.cost_model is None:
         # no silent fallback: profile this machine once (cached), and say so

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checks import MAX_TREE_NODES
+from ..checks import MAX_TREE_NODES, check_int
 from ..errors import InvalidInputError
 from ..loading import add_pair_arguments, load_pair
 
@@ -44,7 +44,15 @@ def profile(args: argparse.Namespace) -> int:
         pyplot()  # a missing matplotlib is reported now, not after a long profile
     if args.target is not None and args.draft is None:
         raise InvalidInputError("profiling needs --draft too: C_d is the drafter's cost")
-    gen = load_pair(args.target, args.draft, dtype=args.dtype, device=args.device)
+    if args.context_window is not None:
+        check_int("--context-window", args.context_window, minimum=2)
+    gen = load_pair(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        context_window=args.context_window,
+    )
     longest = profiling.max_profile_context_length(gen.verifier, gen.proposer)
     if args.context_lengths is None:
         lengths, dropped = profiling.fit_context_lengths(lengths, longest)

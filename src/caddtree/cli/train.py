@@ -57,6 +57,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         eval_every=args.eval_every,
         draft_vocab_coverage=args.draft_vocab_coverage or None,
         precision=args.precision,
+        loss_weighting=args.loss_weighting,
+        dpace_alpha=args.dpace_alpha,
     )
     config.validate()
     target_dir = args.target
@@ -263,6 +265,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["bfloat16", "float32"],
         default="bfloat16",
         help="autocast dtype of the training forward (weights and optimiser stay float32)",
+    )
+    p.add_argument(
+        "--loss-weighting",
+        choices=["decay", "dpace"],
+        default="decay",
+        help="how block positions weigh in the loss: decay (exp(-(k-1)/7), the DFlash recipe) or "
+        "dpace (by each position's expected share of the accepted length, D-PACE)",
+    )
+    p.add_argument(
+        "--dpace-alpha",
+        type=float,
+        default=0.5,
+        help="smoothing of the drafter's confidences under --loss-weighting dpace, in (0, 1]",
     )
     p.add_argument(
         "--init-from",

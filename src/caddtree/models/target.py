@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import CaddtreeError, CheckpointError, InvalidInputError
 from ..tree import DraftTree
+from .kvcache import ReservedLayer, reserved_cache
 
 __all__ = [
     "TreeVerifier",
@@ -219,7 +220,7 @@ def compact_cache(cache: Cache, prefix_length: int, keep: Sequence[int] = ()) ->
 
 
 def _check_full_attention(layer_idx: int, layer: Any) -> None:
-    if type(layer) is not DynamicLayer:
+    if type(layer) not in (DynamicLayer, ReservedLayer):
         raise InvalidInputError(
             f"KV-cache layer {layer_idx} is a {type(layer).__name__}; tree verification and "
             "compaction need full-attention DynamicCache layers (no sliding windows)"
@@ -285,9 +286,15 @@ class TreeVerifier:
         """Committed tokens in the KV cache (prompt + every committed bonus and accepted node)."""
         return self._length
 
-    def reset(self) -> None:
-        """Empty the KV cache (call before a new prompt)."""
-        self.cache = DynamicCache(config=self.model.config)
+    def reset(self, reserve: int | None = None) -> None:
+        """Empty the KV cache (call before a new prompt). ``reserve``: the most positions the
+        coming generation may fill (prompt, output and its largest tree); on the CPU its cache then
+        writes in place into room reserved once (:mod:`caddtree.models.kvcache`) rather than
+        re-copying itself every round."""
+        if reserve is not None and self.device.type == "cpu":
+            self.cache = reserved_cache(self.model.config, reserve)
+        else:
+            self.cache = DynamicCache(config=self.model.config)
         self._length = 0
         self._pending: tuple[DraftTree, torch.Tensor] | None = None
 
@@ -385,8 +392,9 @@ class TreeVerifier:
     def _check_positions(self, needed: int, problem: str) -> None:
         if self.max_positions is not None and needed > self.max_positions:
             raise InvalidInputError(
-                f"{problem}: {needed} positions exceed the model's max_position_embeddings "
-                f"({self.max_positions})"
+                f"{problem}: {needed} positions exceed the context window of "
+                f"{self.max_positions} (the model's max_position_embeddings, unless "
+                "context_window= set another)"
             )
 
 

@@ -77,7 +77,12 @@ class TrainConfig:
     learning_rate: float = 6e-4
     warmup_steps: int = 50
     weight_decay: float = 0.0
-    gamma: float = 7.0  # position-weight decay of the loss
+    gamma: float = 7.0  # position-weight decay of the loss ("decay" weighting)
+    # How block positions weigh in the loss: "decay" (exp(-(k-1)/gamma), the published DFlash
+    # recipe) or "dpace" (D-PACE: each position by its expected contribution to the accepted
+    # length under the drafter's current confidences, smoothed by dpace_alpha)
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5
     grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 50
@@ -105,6 +110,8 @@ class TrainConfig:
             "draft_vocab_coverage": self.draft_vocab_coverage is None
             or 0 < self.draft_vocab_coverage <= 1,
             "precision": self.precision in ("float32", "bfloat16"),
+            "loss_weighting": self.loss_weighting in ("decay", "dpace"),
+            "dpace_alpha": 0 < self.dpace_alpha <= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -165,6 +172,22 @@ def build_training_batch(
         "attention_mask": mask[:, None],
         "labels": labels,
     }
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [..., B-1] (arXiv 2605.18810) from the cross-entropies ``ce`` of
+    the ``valid`` positions (flat, in the order of ``valid``'s True entries).
+
+    With ``q = exp(-ce)`` the drafter's probability of the label, smoothed to
+    ``q~ = (1 - alpha) q + alpha``, position ``j`` weighs ``sum_{m >= j} prod_{i <= m} q~_i``:
+    the chance that the chain reaches it times the accepted length it can still add. An invalid
+    position (past the sequence, or a label outside the draft vocabulary) ends the chain, as it
+    does when decoding. Weights carry no gradient.
+    """
+    q = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
+    q[valid] = (1 - alpha) * torch.exp(-ce.float()) + alpha
+    reach = torch.cumprod(q, dim=-1)
+    return reach.flip(-1).cumsum(-1).flip(-1) * valid
 
 
 def _lr_at(step: int, config: TrainConfig) -> float:
@@ -235,7 +258,10 @@ class _Trainer:
             h = hidden.view(b, M, B, -1)[:, :, 1:]  # [b, M, B-1, H]
             logits = self.lm_head(h[valid].to(self.lm_head.weight.dtype)).float()
         ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")
-        w = self.position_weights.expand(b, M, -1)[valid]
+        if cfg.loss_weighting == "dpace":
+            w = dpace_weights(ce.detach(), valid, cfg.dpace_alpha)[valid]
+        else:
+            w = self.position_weights.expand(b, M, -1)[valid]
         loss = (w * ce).sum() / w.sum()
         with torch.no_grad():
             correct = torch.zeros_like(labels, dtype=torch.bool)
@@ -445,7 +471,9 @@ def _resumed_drafter(ckpt: Path, state: dict, config: TrainConfig) -> DFlashDraf
     # None are derived, and come from the checkpoint.
     free = ("steps", "save_every", "eval_every", "precision")
     now = {k: v for k, v in asdict(config).items() if k not in free and v is not None}
-    saved = {k: v for k, v in state["config"].items() if k in now}
+    # a setting added after the checkpoint was written had its default then
+    defaults = asdict(TrainConfig())
+    saved = {k: state["config"].get(k, defaults[k]) for k in now}
     if saved != now:
         raise InvalidInputError(
             f"{ckpt} was trained with other settings; use another output directory or the "
