@@ -522,3 +522,14 @@ def test_ctrl_c_in_the_first_second_prints_no_traceback(tiny_pair_dirs):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().endswith("caddtree: interrupted")
+
+
+def test_compare_ar_runs_every_baseline_under_the_raised_context_window(capsys, tiny_pair_dirs):
+    """--context-window applies to the AR baselines loaded for --compare-ar too (the tiny target
+    holds 64 positions; prompt + 62 new tokens pass it)."""
+    extra = ["--max-new-tokens", "62", "--context-window", "128", "--ar-dtypes", "float64"]
+    assert main(compare_ar_argv(tiny_pair_dirs, *extra, "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] + 62 > 64  # the request does not fit the model's own window
+    assert out["ar"]["token_ids"] == out["token_ids"]  # lossless past the window
+    assert out["ar_float64"]["stats"]["new_tokens"] >= 1

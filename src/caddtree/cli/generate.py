@@ -107,7 +107,11 @@ def generate(args: argparse.Namespace) -> int:
             else:
                 ar_gens.append(
                     SpeculativeGenerator.from_pretrained(
-                        gen.source["target"], None, dtype=dtype, device=device
+                        gen.source["target"],
+                        None,
+                        dtype=dtype,
+                        device=device,
+                        context_window=args.context_window,
                     )
                 )
 
