@@ -2,6 +2,7 @@
 
     python benchmarks/long_generation.py [--max-new-tokens 10000] [--method caddtree]
                                          [--budget 32] [--dtype bfloat16] [--json]
+    python benchmarks/long_generation.py --forward-memory 1000 4000 8000 10000
 
 Loads the built-in pair (SmolLM2-135M-Instruct and its shipped drafter, resolved as the CLI
 resolves them, in bfloat16 unless ``--dtype``), warms it up with a short untimed generation, then
@@ -17,6 +18,9 @@ and compares the growth with the KV cache the call needs: bytes per token of the
 (``2 x layers x kv_heads x head_dim x dtype bytes``, keys and values) and of the drafter (its own
 context cache), times the tokens in the context at the end. It says whether memory returned to its
 level (within ``--tolerance`` MiB of ``before``).
+
+``--forward-memory`` measures instead the working memory of one verification forward beyond the
+cache: its peak RSS above the level before it, after prefilling each given context.
 
 The target's window (``max_position_embeddings``: 8192 for SmolLM2-135M) is raised to fit the
 prompt and ``--max-new-tokens`` (``SpeculativeGenerator(context_window=...)``, with a note: past
@@ -89,6 +93,37 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def forward_memory(gen: Any, contexts: list[int]) -> dict[int, float]:
+    """Peak RSS (MiB) of one verification forward above the level before it, per context length:
+    the working memory one round needs beyond the KV cache."""
+    import numpy as np
+
+    from caddtree.tree import build_ddtree
+
+    verifier, rng = gen.verifier, np.random.default_rng(0)
+    vocab = int(gen.target.config.get_text_config().vocab_size)
+    logits = rng.normal(size=(15, vocab)).astype(np.float32)
+    logits[:, :4] += 6.0
+    tree = build_ddtree(logits, 16)
+    peaks = {}
+    for context in contexts:
+        if verifier.max_positions is not None and context + 64 > verifier.max_positions:
+            gen.set_context_window(context + 64)
+        verifier.reset(reserve=context + 64)
+        ids = rng.integers(100, min(vocab, 40000), context).tolist()
+        for start in range(0, context, 500):  # in chunks: the prefill's own peak stays small
+            verifier.prefill(ids[start : start + 500])
+        verifier.verify(5, tree)  # one untimed round first
+        verifier.commit([0])
+        release_freed_memory()
+        before = rss_bytes()
+        with PeakSampler(0.002) as sampler:
+            verifier.verify(5, tree)
+        peaks[context] = (sampler.peak - before) / MiB
+    verifier.reset()
+    return peaks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-new-tokens", type=int, default=10000)
@@ -103,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="lower --max-new-tokens to fit the target's window instead of raising the window",
     )
+    parser.add_argument(
+        "--forward-memory",
+        type=int,
+        nargs="+",
+        metavar="CONTEXT",
+        help="instead: the peak RSS of one verification forward (a 16-node tree) above its start, "
+        "after a prefill of each of these context lengths (random tokens)",
+    )
     args = parser.parse_args(argv)
 
     from caddtree.api import SpeculativeGenerator
@@ -111,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
     target, draft, dtype = resolve_model_pair(None, None, args.dtype)
     gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device=args.device)
+    if args.forward_memory:
+        peaks = forward_memory(gen, args.forward_memory)
+        for context, peak in peaks.items():
+            print(f"one verification at {context} tokens of context: peak +{peak:.1f} MiB")
+        return 0
     if args.method == "caddtree":
         gen.cost_model = gen.cached_cost_model()
     budget = args.budget if args.method == "ddtree" else None
