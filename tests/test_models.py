@@ -254,11 +254,14 @@ def _deepest_branch_node(tree: DraftTree) -> int:
     return max(candidates, key=lambda i: tree.depths[i - 1])
 
 
-@pytest.mark.parametrize("reserve", [None, 12, 256], ids=["dynamic", "outgrown", "reserved"])
+@pytest.mark.parametrize(
+    "reserve", [None, 12, 256, 2**50], ids=["dynamic", "outgrown", "reserved", "unobtainable"]
+)
 @pytest.mark.parametrize("kind", ["branch", "first-nodes", "bonus-only"])
 def test_commit_compacts_the_cache_exactly(target, kind, reserve):
     """Also with room reserved (caddtree.models.kvcache): 12 positions are outgrown by the
-    first tree, 256 never are, and the keys then stay in the buffer written at the prefill."""
+    first tree, 256 never are, and the keys then stay in the buffer written at the prefill;
+    room no system can map leaves the cache to grow as it fills."""
     model, attn = target
     tol = TOL[attn]
     verifier = TreeVerifier(model, FEATURE_LAYER_IDS)

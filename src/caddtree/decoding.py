@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 
+# Positions a call reserves KV-cache room for at most when the target has no context window
+MAX_RESERVED = 32768
+
 # --------------------------------------------------------------------------------------------------
 # Tree policies
 # --------------------------------------------------------------------------------------------------
@@ -487,8 +490,11 @@ def decode(
 
     t_start = time.perf_counter()
     # room for every position the call may fill: the prompt, its output, and the last tree
-    tree_room = getattr(policy, "budget", None) or getattr(policy, "max_budget", None) or 64
-    verifier.reset(reserve=len(prompt) + max_new_tokens + int(tree_room) + 1)
+    # (within the context window; without one, at most MAX_RESERVED, and the cache grows after)
+    tree_room = int(getattr(policy, "budget", None) or getattr(policy, "max_budget", None) or 64)
+    fill = len(prompt) + max_new_tokens
+    fill = min(fill, verifier.max_positions or MAX_RESERVED)
+    verifier.reset(reserve=fill + tree_room + 1)
     if proposer is not None:
         proposer.reset()
     logits, features = verifier.prefill(prompt)

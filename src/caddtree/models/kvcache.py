@@ -45,6 +45,7 @@ class _Slab:
         self.layers, self.capacity = layers, capacity
         self.memory: torch.Tensor | None = None
         self.asked = 0
+        self.failed = False  # the room could not be had: layers grow as they fill instead
 
     def buffers(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values buffers of layer ``index`` for states like ``like`` ([..., T, D]), or
@@ -56,7 +57,11 @@ class _Slab:
         self.asked += 1
         shape = (*like.shape[:-2], self.capacity, like.shape[-1])
         if self.memory is None:
-            self.memory = like.new_empty((self.layers, 2, *shape))
+            try:
+                self.memory = like.new_empty((self.layers, 2, *shape))
+            except (RuntimeError, MemoryError):  # more room than the system will map
+                self.asked, self.failed = self.layers, True
+                return None
         memory = self.memory
         if self.asked == self.layers:
             self.memory = None
@@ -88,7 +93,8 @@ class ReservedLayer(DynamicLayer):
             if first and self._slab is not None and end <= self.capacity:
                 reserved = self._slab.buffers(self._index, key_states)
             if reserved is None:
-                capacity = max(self.capacity if first else 0, end + end // 2)
+                reserve = first and not (self._slab is not None and self._slab.failed)
+                capacity = max(self.capacity if reserve else 0, end + end // 2)
                 reserved = tuple(
                     new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
                     for new in (key_states, value_states)
