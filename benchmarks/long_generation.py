@@ -31,8 +31,6 @@ its window the model's positions are extrapolated, and the output is still plain
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -87,10 +85,12 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 
 
 def release_freed_memory() -> None:
-    """Collect garbage and ask glibc to hand freed heap memory back to the system."""
+    """Collect garbage and ask glibc to hand freed heap memory back to the system (what
+    ``SpeculativeGenerator.decode`` does itself after a long generation)."""
+    from caddtree.models.kvcache import return_freed_memory
+
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return_freed_memory()
 
 
 def forward_memory(gen: Any, contexts: list[int]) -> dict[int, float]:

@@ -162,10 +162,11 @@ def _malloc_trim() -> Any:
 def return_freed_memory() -> None:
     """Hand the heap memory that a long generation freed back to the system.
 
-    One forward at a long context needs working memory that grows with it (at 10,000 tokens of
-    the built-in pair, some 55 MiB beyond the cache), and glibc keeps what it freed on its heap
-    for reuse: the process stayed 63 MiB above its level after such a call, 19 MiB once trimmed.
-    ``malloc_trim(0)`` returns those pages; where there is no such call this does nothing.
+    A long generation's short-lived allocations grow with the context (one verification forward
+    at 10,000 tokens of the built-in pair needs 25 MiB beyond the cache), and glibc keeps what
+    they freed on its heap for reuse: the process stayed 63 MiB above its level after such a
+    call, 19 MiB once trimmed. ``malloc_trim(0)`` returns those pages; where there is no such
+    call this does nothing.
     """
     trim = _malloc_trim()
     if trim is not None:
