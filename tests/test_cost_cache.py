@@ -110,3 +110,21 @@ def test_the_library_logs_and_prints_nothing_itself(
     assert all(r.name.startswith("caddtree.") for r in caplog.records)
     out, err = capsys.readouterr()
     assert out == "" and "profiled earlier" not in err
+
+
+def test_another_attention_implementation_is_profiled_anew(generator, tmp_path, monkeypatch):
+    """Verification costs depend on the attention implementation: a cost model profiled under
+    one is not reused under another, and is reused when it comes back."""
+    calls = []
+    monkeypatch.setattr(generator, "profile", lambda **kw: calls.append(1) or fitted(0.0, 0))
+    model = generator.target
+    try:
+        generator.cached_cost_model(tmp_path)
+        model.set_attn_implementation("sdpa")
+        generator.cached_cost_model(tmp_path)
+        model.set_attn_implementation("caddtree_sdpa")
+        generator.cached_cost_model(tmp_path)
+    finally:
+        model.set_attn_implementation("caddtree_sdpa")
+    assert len(calls) == 2
+    assert len(list(tmp_path.glob("cost-*.json"))) == 2

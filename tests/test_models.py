@@ -1,7 +1,7 @@
 """Tests of the model layer: DFlash checkpoints, tree verification, cache compaction, proposing.
 
 Every exactness test compares against plain sequential transformers forwards in float64. SDPA
-matches to ~1e-15. transformers' eager attention computes its softmax in float32 even for float64
+(transformers' and caddtree's grouped-query variant, ``caddtree_sdpa``) matches to ~1e-15. transformers' eager attention computes its softmax in float32 even for float64
 inputs (``eager_attention_forward``), so eager results agree only to float32 precision; a wrong
 mask, position or cache entry changes logits by O(0.1), far above either tolerance.
 """
@@ -27,6 +27,7 @@ from caddtree.models import (
     extract_context_features,
     tree_attention_mask,
 )
+from caddtree.models import attention as gqa_attention
 from caddtree.tree import DraftTree, build_chain, build_ddtree
 from tiny_models import (
     FEATURE_LAYER_IDS,
@@ -40,7 +41,7 @@ from tiny_models import (
     saved_drafter,
 )
 
-TOL = {"sdpa": 1e-10, "eager": 1e-5}
+TOL = {"sdpa": 1e-10, "eager": 1e-5, gqa_attention.GQA_SDPA: 1e-10}
 TARGETS = {"qwen3": qwen3_target, "llama": llama_target}
 PROMPT_LENGTH = 9
 
@@ -225,6 +226,50 @@ def test_empty_tree_verifies_the_bonus_alone(target):
     assert_close(logits[0], sequential(model, prompt + [11]).logits[0, -1], TOL[attn])
     verifier.commit([0])
     assert verifier.context_length == PROMPT_LENGTH + 1
+
+
+def test_gqa_sdpa_reads_grouped_heads_itself_only_under_a_tree_mask(monkeypatch):
+    """caddtree_sdpa answers a tree verification itself (grouped heads read in place) and hands
+    everything else to transformers' SDPA; either way it computes what transformers' SDPA does."""
+    handed_over = []
+    original = gqa_attention.sdpa_attention_forward
+
+    def counting(*args, **kwargs):
+        handed_over.append(args[4] is None)  # was the mask None?
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gqa_attention, "sdpa_attention_forward", counting)
+    plain = TreeVerifier(qwen3_target("sdpa"), FEATURE_LAYER_IDS)
+    gqa = TreeVerifier(qwen3_target(gqa_attention.GQA_SDPA), FEATURE_LAYER_IDS)
+    assert gqa.model.model.layers[0].self_attn.num_key_value_groups == 2
+    prompt, tree = prompt_ids(4), random_tree(4)
+    # the prompt in two pieces: the first needs no mask (transformers' path), the second is
+    # causal over a non-empty cache, a 4D mask built as for "sdpa" (caddtree_sdpa's own path)
+    out = [[v.prefill(prompt[:4])[0], v.prefill(prompt[4:])[0]] for v in (plain, gqa)]
+    layers = gqa.model.config.num_hidden_layers
+    assert handed_over == [True] * layers
+    assert_close(torch.stack(out[1]), torch.stack(out[0]), 1e-12)
+    expected, expected_features = plain.verify(7, tree)
+    handed_over.clear()
+    logits, features = gqa.verify(7, tree)
+    assert handed_over == []  # the tree forward never reached transformers' SDPA
+    assert_close(logits, expected, 1e-12)
+    assert_close(features, expected_features, 1e-12)
+    for verifier in (plain, gqa):
+        verifier.commit([0])
+    expected, _ = plain.verify(3, DraftTree.empty())
+    logits, _ = gqa.verify(3, DraftTree.empty())
+    assert handed_over == [True] * layers  # a lone bonus token: no mask, transformers' path
+    assert_close(logits, expected, 1e-12)
+
+
+def test_targets_load_with_gqa_sdpa_on_the_cpu(tiny_pair_dirs):
+    from caddtree import SpeculativeGenerator
+
+    target, draft = tiny_pair_dirs
+    gen = SpeculativeGenerator.from_pretrained(target, draft, dtype="float64", device="cpu")
+    assert gen.target.config._attn_implementation == gqa_attention.GQA_SDPA
+    assert gqa_attention.preferred_attention(torch.device("cuda")) == "sdpa"
 
 
 def test_tree_attention_mask_values():

@@ -198,11 +198,14 @@ class SpeculativeGenerator:
         context_window: int | None = None,
         **target_kwargs: Any,
     ) -> SpeculativeGenerator:
-        """Load a transformers causal LM (a local directory or hub id) with SDPA attention, its
-        tokenizer, and a DFlash drafter in the released format (``draft``; optional for ``ar``).
+        """Load a transformers causal LM (a local directory or hub id) with SDPA attention (on the
+        CPU, caddtree's variant that reads grouped-query heads in place:
+        :mod:`caddtree.models.attention`), its tokenizer, and a DFlash drafter in the released
+        format (``draft``; optional for ``ar``).
         ``context_window``: see :meth:`set_context_window` (default: the model's window)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        from .models.attention import preferred_attention
         from .models.dflash import DFLASH_ARCHITECTURE, DFlashDraftModel
         from .models.target import check_model_location, checkpoint_errors
 
@@ -224,7 +227,7 @@ class SpeculativeGenerator:
             model, info = AutoModelForCausalLM.from_pretrained(
                 target,
                 dtype=torch_dtype,
-                attn_implementation="sdpa",
+                attn_implementation=preferred_attention(dev),
                 output_loading_info=True,
                 **extra,
                 **target_kwargs,
@@ -314,6 +317,8 @@ class SpeculativeGenerator:
             .to_dict()
             .get("_name_or_path", ""),
             "dtype": str(self.verifier.dtype),
+            # verification costs differ between attention implementations (sdpa, caddtree_sdpa)
+            "attention": getattr(self.target.config, "_attn_implementation", None),
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
         }

@@ -8,7 +8,9 @@ nodes in **one** target forward pass over the ``q = n + 1`` tokens ``[b] + nodes
   inside the tree its ancestors and itself (``DraftTree.visibility_mask``). transformers 5 passes a
   user-supplied 4D mask through unchanged (``masking_utils._preprocess_mask_arguments``) to the
   SDPA kernel or adds it to the scores (eager), so the model must use ``sdpa`` or ``eager``
-  attention; FlashAttention-2 cannot take arbitrary masks.
+  attention, or caddtree's ``caddtree_sdpa`` (:mod:`caddtree.models.attention`: SDPA that reads
+  grouped-query heads in place under a mask on the CPU); FlashAttention-2 cannot take arbitrary
+  masks.
 * **Positions** (:func:`tree_position_ids`): ``start + depth`` with the bonus at depth 0, so each
   token has the position it would have in sequential decoding.
 * **KV-cache compaction** (:func:`compact_cache`): after the walk, keep the committed prefix plus
@@ -35,6 +37,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import CaddtreeError, CheckpointError, InvalidInputError
 from ..tree import DraftTree
+from .attention import GQA_SDPA
 from .kvcache import ReservedLayer, reserved_cache
 
 __all__ = [
@@ -47,7 +50,7 @@ __all__ = [
     "tree_position_ids",
 ]
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", GQA_SDPA)
 
 
 # ---- loading checkpoints ------------------------------------------------------------------------
@@ -263,8 +266,9 @@ class TreeVerifier:
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in SUPPORTED_ATTENTION:
             raise InvalidInputError(
-                f"tree verification needs attn_implementation 'sdpa' or 'eager' (arbitrary 4D "
-                f"masks); the model uses {attention!r}: load it with attn_implementation='sdpa'"
+                f"tree verification needs attn_implementation 'sdpa', 'eager' or "
+                f"'{GQA_SDPA}' (arbitrary 4D masks); the model uses {attention!r}: load it with "
+                "attn_implementation='sdpa'"
             )
         n_layers = int(config.num_hidden_layers)
         ids = tuple(int(i) for i in feature_layer_ids)

@@ -1,0 +1,91 @@
+"""Tree verification with transformers' SDPA attention vs caddtree's grouped-query SDPA.
+
+    python benchmarks/attention_gqa.py [--contexts 200 2000 6000] [--budget 16]
+                                       [--repeats 6] [--calls 5] [--dtype bfloat16]
+
+On the CPU, :meth:`caddtree.SpeculativeGenerator.from_pretrained` loads a target with
+``caddtree_sdpa`` (:mod:`caddtree.models.attention`): SDPA that reads grouped-query key/value heads
+in place under a tree mask, where transformers' ``sdpa`` first copies them once per query head
+group (``repeat_kv``). This script loads the built-in target (SmolLM2-135M-Instruct: 9 query heads
+over 3 key/value heads) and, for each context length, prefills that many random tokens and times
+one verification of a fixed DDTree of ``--budget`` nodes (the KV cache is cut back after each, so
+every call sees the same context). Both implementations run in one process on the same model,
+switched between calls, in alternating order, ``--repeats`` times ``--calls`` calls each; it
+prints the median milliseconds of each, their ratio, and whether the verification's logits were
+identical (they must be: the two compute the same attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from caddtree.api import SpeculativeGenerator
+from caddtree.defaults import resolve_model_pair
+from caddtree.models.attention import GQA_SDPA
+from caddtree.tree import build_ddtree
+
+IMPLEMENTATIONS = ("sdpa", GQA_SDPA)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[200, 2000, 6000])
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    target, draft, dtype = resolve_model_pair(None, None, args.dtype)
+    gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device="cpu")
+    verifier, model = gen.verifier, gen.target
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    draft_logits = rng.normal(size=(15, vocab)).astype(np.float32)
+    draft_logits[:, :4] += 6  # a few likely tokens per position, so the tree branches
+    tree = build_ddtree(draft_logits, args.budget)
+    print(
+        f"{model.config.num_attention_heads} query heads over "
+        f"{model.config.num_key_value_heads} key/value heads; tree of {len(tree)} nodes, "
+        f"{args.dtype}, {torch.get_num_threads()} threads"
+    )
+    print(f"{'context':>8} {'sdpa ms':>9} {GQA_SDPA + ' ms':>18} {'speed-up':>9}  logits")
+    for length in args.contexts:
+        if verifier.max_positions is not None and length + args.budget + 1 > verifier.max_positions:
+            gen.set_context_window(length + args.budget + 1)
+        ids = rng.integers(100, vocab - 100, length).tolist()
+        times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+        logits: dict[str, torch.Tensor] = {}
+        for rep in range(args.repeats + 1):  # the first repeat warms up and is not counted
+            order = IMPLEMENTATIONS if rep % 2 == 0 else IMPLEMENTATIONS[::-1]
+            for name in order:
+                model.set_attn_implementation(name)
+                verifier.reset(reserve=length + args.budget + 1)
+                for start in range(0, length, 512):
+                    verifier.prefill(ids[start : start + 512])
+                calls = []
+                for _ in range(args.calls):
+                    t0 = time.perf_counter()
+                    out, _ = verifier.verify(5, tree)
+                    calls.append(time.perf_counter() - t0)
+                    verifier.commit([])  # discard: the next call verifies the same context
+                logits[name] = out.float()
+                if rep:
+                    times[name].append(1e3 * statistics.median(calls))
+        a, b = (statistics.median(times[name]) for name in IMPLEMENTATIONS)
+        same = torch.equal(logits["sdpa"], logits[GQA_SDPA])
+        diff = float((logits["sdpa"] - logits[GQA_SDPA]).abs().max())
+        print(
+            f"{length:>8} {a:>9.1f} {b:>18.1f} {a / b:>8.2f}x  "
+            f"{'identical' if same else f'differ (max {diff:.3g})'}"
+        )
+    model.set_attn_implementation(GQA_SDPA)
+
+
+if __name__ == "__main__":
+    main()
