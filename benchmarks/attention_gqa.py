@@ -27,7 +27,7 @@ import torch
 from caddtree.api import SpeculativeGenerator
 from caddtree.defaults import resolve_model_pair
 from caddtree.models.attention import GQA_SDPA
-from caddtree.tree import build_ddtree
+from long_generation import branching_tree, prefill_context  # this folder's memory benchmark
 
 IMPLEMENTATIONS = ("sdpa", GQA_SDPA)
 
@@ -46,9 +46,7 @@ def main() -> None:
     verifier, model = gen.verifier, gen.target
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    draft_logits = rng.normal(size=(15, vocab)).astype(np.float32)
-    draft_logits[:, :4] += 6  # a few likely tokens per position, so the tree branches
-    tree = build_ddtree(draft_logits, args.budget)
+    tree = branching_tree(rng, vocab, args.budget)
     print(
         f"{model.config.num_attention_heads} query heads over "
         f"{model.config.num_key_value_heads} key/value heads; tree of {len(tree)} nodes, "
@@ -56,8 +54,6 @@ def main() -> None:
     )
     print(f"{'context':>8} {'sdpa ms':>9} {GQA_SDPA + ' ms':>18} {'speed-up':>9}  logits")
     for length in args.contexts:
-        if verifier.max_positions is not None and length + args.budget + 1 > verifier.max_positions:
-            gen.set_context_window(length + args.budget + 1)
         ids = rng.integers(100, vocab - 100, length).tolist()
         times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
         logits: dict[str, torch.Tensor] = {}
@@ -65,9 +61,7 @@ def main() -> None:
             order = IMPLEMENTATIONS if rep % 2 == 0 else IMPLEMENTATIONS[::-1]
             for name in order:
                 model.set_attn_implementation(name)
-                verifier.reset(reserve=length + args.budget + 1)
-                for start in range(0, length, 512):
-                    verifier.prefill(ids[start : start + 512])
+                prefill_context(gen, ids, args.budget + 1)
                 calls = []
                 for _ in range(args.calls):
                     t0 = time.perf_counter()

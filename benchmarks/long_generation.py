@@ -93,26 +93,41 @@ def release_freed_memory() -> None:
     return_freed_memory()
 
 
+def branching_tree(rng: Any, vocab: int, budget: int = 16) -> Any:
+    """A DDTree of ``budget`` nodes over 15 positions of synthetic draft logits drawn from ``rng``,
+    with a few likely tokens per position so that the tree branches (for timing verification)."""
+    import numpy as np
+
+    from caddtree.tree import build_ddtree
+
+    logits = rng.normal(size=(15, vocab)).astype(np.float32)
+    logits[:, :4] += 6.0
+    return build_ddtree(logits, budget)
+
+
+def prefill_context(gen: Any, ids: list[int], room: int) -> None:
+    """Empty ``gen``'s verifier with KV room for ``ids`` and ``room`` more positions (raising the
+    context window if they do not fit it) and prefill ``ids`` in chunks of 500 tokens, so that the
+    prefill's own working memory stays small."""
+    verifier, needed = gen.verifier, len(ids) + room
+    if verifier.max_positions is not None and needed > verifier.max_positions:
+        gen.set_context_window(needed)
+    verifier.reset(reserve=needed)
+    for start in range(0, len(ids), 500):
+        verifier.prefill(ids[start : start + 500])
+
+
 def forward_memory(gen: Any, contexts: list[int]) -> dict[int, float]:
     """Peak RSS (MiB) of one verification forward above the level before it, per context length:
     the working memory one round needs beyond the KV cache."""
     import numpy as np
 
-    from caddtree.tree import build_ddtree
-
     verifier, rng = gen.verifier, np.random.default_rng(0)
     vocab = int(gen.target.config.get_text_config().vocab_size)
-    logits = rng.normal(size=(15, vocab)).astype(np.float32)
-    logits[:, :4] += 6.0
-    tree = build_ddtree(logits, 16)
+    tree = branching_tree(rng, vocab)
     peaks = {}
     for context in contexts:
-        if verifier.max_positions is not None and context + 64 > verifier.max_positions:
-            gen.set_context_window(context + 64)
-        verifier.reset(reserve=context + 64)
-        ids = rng.integers(100, min(vocab, 40000), context).tolist()
-        for start in range(0, context, 500):  # in chunks: the prefill's own peak stays small
-            verifier.prefill(ids[start : start + 500])
+        prefill_context(gen, rng.integers(100, min(vocab, 40000), context).tolist(), 64)
         verifier.verify(5, tree)  # one untimed round first
         verifier.commit([0])
         release_freed_memory()
