@@ -27,11 +27,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from caddtree.train.data import TrainingData
-from caddtree.train.trainer import TrainConfig, _Trainer, load_trained_drafter, split_samples
+from caddtree.train.data import TrainingData, split_samples
+from caddtree.train.features import load_features
+from caddtree.train.loss import AnchorBlockLoss
+from caddtree.train.trainer import TrainConfig, load_trained_drafter
 
 
 def ngram_top1(data: TrainingData, train: list[int], held: list[int]) -> tuple[float, float]:
@@ -73,15 +74,15 @@ def main() -> None:
     data = TrainingData.load(args.run / "data.safetensors")
     n = args.prompts or run_info["prompts"]["total"]
     data = TrainingData(data.sequences[:n], data.prompt_lengths[:n], data.meta)
-    train_ids, held_ids = split_samples(data, config)
+    record = args.run / "split.json"  # the run's own split, as its trainer made it
+    train_ids, held_ids = split_samples(data, config, record if record.is_file() else None)
 
-    stored = load_file(args.run / "features.safetensors")
-    features = list(torch.split(stored["features"], stored["lengths"].tolist()))
+    features = load_features(args.run / "features.safetensors")[:n]
     if len(features) != n:
         raise SystemExit(f"{args.run}/features.safetensors holds {len(features)} samples, not {n}")
     target = AutoModelForCausalLM.from_pretrained(run_info["target"], dtype=torch.bfloat16)
     drafter = load_trained_drafter(args.drafter or args.run).float().eval()
-    trainer = _Trainer(drafter, target, features, data, config, torch.device("cpu"))
+    trainer = AnchorBlockLoss(drafter, target, features, data, config, torch.device("cpu"))
     generator = torch.Generator().manual_seed(args.seed)
     totals = collections.Counter()
     batches = 0

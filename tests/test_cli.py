@@ -212,6 +212,40 @@ def test_train_drafter_on_a_prompt_file_end_to_end(capsys, tiny_pair_dirs, tmp_p
     assert "draft vocabulary" in capsys.readouterr().err
 
 
+def test_train_drafter_grows_its_data_by_appending(capsys, tiny_pair_dirs, tmp_path):
+    """A second run into the same directory with larger sources keeps every response made
+    before, first and in order, appends the new prompts' responses, and keeps each earlier
+    sample's held-out side; smaller sources are refused before anything is changed."""
+    from caddtree.train import TrainingData
+
+    target, _ = tiny_pair_dirs
+    prompts = tmp_path / "prompts.jsonl"
+    words = ["cats", "dogs", "rain", "sun", "moss", "tea", "owls", "sand", "reed", "figs"]
+    prompts.write_text("".join(json.dumps({"prompt": f"tell me about {w}"}) + "\n" for w in words))
+    out = tmp_path / "run"
+    base = ["train-drafter", "--target", str(target), "--output", str(out), "--data-only"]
+    base += ["--sharegpt", "0", "--code", "0", "--dtype", "float64", "--max-new-tokens", "6"]
+    base += ["--prompts", str(prompts)]
+    assert main([*base, "--math", "20"]) == 0
+    first = TrainingData.load(out / "data.safetensors")
+    held_first = json.loads((out / "split.json").read_text())["heldout"]
+    assert len(first.sequences) == 30 and len(held_first) == 1  # 5% of 30
+
+    assert main([*base, "--math", "40"]) == 0
+    grown = TrainingData.load(out / "data.safetensors")
+    assert len(grown.sequences) == 50
+    assert all(torch.equal(a, b) for a, b in zip(first.sequences, grown.sequences))
+    record = json.loads((out / "split.json").read_text())
+    assert record["samples"] == 50 and set(held_first) <= set(record["heldout"])
+    assert len(record["heldout"]) == 2  # plus 5% of the 20 appended
+
+    before = (out / "data.safetensors").read_bytes()
+    assert main([*base, "--math", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "30 of the 50 prompts of the existing data" in err and "Traceback" not in err
+    assert (out / "data.safetensors").read_bytes() == before
+
+
 def test_train_drafter_names_the_bad_line_of_a_prompt_file(capsys, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
@@ -491,6 +525,29 @@ def test_ctrl_c_while_starting_up_is_one_line(capsys, monkeypatch):
         pytest.fail("a Ctrl-C while the command line was being set up escaped main()")
     assert status == 130
     assert capsys.readouterr().err == "caddtree: interrupted\n"
+
+
+def test_a_ctrl_c_that_a_library_swallows_still_stops_with_130(capsys):
+    """An interrupt caught by code that catches everything (as some imports do) still ends the
+    command as interrupted once it returns, and Python's own Ctrl-C handler is put back."""
+    import os
+    import signal
+    import time
+
+    from caddtree.logs import run_command
+
+    def swallowing_command() -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, in the main thread
+        except BaseException:  # noqa: BLE001 - what the library under test would do
+            pass
+        return 0
+
+    assert run_command(swallowing_command) == 130
+    assert capsys.readouterr().err.endswith("caddtree: interrupted\n")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert run_command(lambda: 0) == 0  # no interrupt: the command's own status
 
 
 def test_ctrl_c_in_the_first_second_prints_no_traceback(tiny_pair_dirs):

@@ -433,6 +433,59 @@ def test_build_training_prompts_dedups_filters_and_is_seeded():
         training.build_training_prompts(0, sources=sources, benchmark_index=index)
 
 
+def test_build_training_prompts_grows_by_appending_after_existing_prompts():
+    """An earlier run's prompts stay first, in its order, when the sources grow; only the new
+    prompts are shuffled after them."""
+    index = training.OverlapIndex(["a benchmark prompt that no source repeats, long enough"])
+    small = {"a": lambda: [f"a{i}" for i in range(6)], "b": lambda: ["b0", "b1", "b2"]}
+    first = training.build_training_prompts(sources=small, benchmark_index=index, seed=3).prompts
+    large = {"a": lambda: [f"a{i}" for i in range(12)], "b": lambda: ["b0", "b1", "b2", "b3"]}
+    grown = training.build_training_prompts(
+        sources=large, benchmark_index=index, seed=3, existing=first, key=lambda p: p
+    )
+    assert grown.prompts[: len(first)] == first
+    assert sorted(grown.prompts) == sorted([f"a{i}" for i in range(12)] + ["b0", "b1", "b2", "b3"])
+    assert grown.sources == {"a": 12, "b": 4}
+    # without the earlier run, the larger sources shuffle everything: the old order is lost
+    fresh = training.build_training_prompts(sources=large, benchmark_index=index, seed=3).prompts
+    assert fresh[: len(first)] != first
+    # keys may be anything hashable (the CLI uses token ids); the limit applies after the order
+    keyed = training.build_training_prompts(
+        4,
+        3,
+        sources=large,
+        benchmark_index=index,
+        existing=[p.upper() for p in first],
+        key=str.upper,
+    )
+    assert keyed.prompts == first[:4]
+    with pytest.raises(InvalidInputError, match="1 of the 10 prompts of the existing data"):
+        training.build_training_prompts(
+            sources=small, benchmark_index=index, existing=[*first, "gone"], key=lambda p: p
+        )
+    with pytest.raises(InvalidInputError, match="same prompt twice"):
+        training.build_training_prompts(
+            sources=small, benchmark_index=index, existing=[first[0], first[0]], key=lambda p: p
+        )
+    with pytest.raises(InvalidInputError, match="need a key"):
+        training.build_training_prompts(sources=small, benchmark_index=index, existing=first)
+
+
+def test_stable_sample_only_appends_as_k_grows():
+    import random
+
+    pool = [f"item {i}" for i in range(4242)]  # as many as the stdlib prompts of Python 3.11
+    draws = {k: training.stable_sample(random.Random(7), pool, k) for k in (0, 10, 1000, 3000)}
+    assert draws[3000][:1000] == draws[1000] and draws[1000][:10] == draws[10]
+    assert len(set(draws[3000])) == 3000 and draws[0] == []
+    # the same draw as random.sample where that uses its set-based method (the committed
+    # training data chose its 1,000 code prompts with it); it switches method for larger k
+    assert draws[1000] == random.Random(7).sample(pool, 1000)
+    assert draws[3000][:1000] != random.Random(7).sample(pool, 3000)[:1000]
+    with pytest.raises(InvalidInputError, match="cannot draw 11 distinct items from 10"):
+        training.stable_sample(random.Random(0), pool[:10], 11)
+
+
 def test_stdlib_prompts_are_code_requests():
     prompts = training.stdlib_code_prompts()
     assert len(prompts) > 1000

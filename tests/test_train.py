@@ -13,12 +13,8 @@ from caddtree.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
 from caddtree.train.data import TrainingData, generate_responses, prepare_data
 from caddtree.train.features import compute_features
-from caddtree.train.trainer import (
-    TrainConfig,
-    build_training_batch,
-    dpace_weights,
-    train_drafter,
-)
+from caddtree.train.loss import AnchorBlockLoss, build_training_batch, dpace_weights
+from caddtree.train.trainer import TrainConfig, train_drafter
 from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
 
@@ -116,6 +112,33 @@ def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path)
     drafter = DFlashDraftModel.from_pretrained(ckpt, dtype=torch.float64).eval()
     dd = assert_ddtree_equals_ar(target, drafter, data, 0)
     assert dd.stats.tau > 1.0  # the trained drafter gets drafts accepted
+
+    # the held-out chain walk is what chain decoding does: round by round, the tokens it commits
+    assert all(e["eval_walk_tau"] >= 1.0 for e in log if "eval_loss" in e)
+    feats = compute_features(target, data, drafter.target_layer_ids, progress=False)
+    walker = AnchorBlockLoss(drafter, target, feats, data, config(), torch.device("cpu"))
+    accepted_somewhere = False
+    for i in range(6):
+        chain = chain_decode_sample(target, drafter, data, i)
+        walk = walker.chain_walk(i, chunk=5)
+        assert walk == [r.committed for r in chain.stats.per_round], i
+        accepted_somewhere |= max(walk) > 1
+    assert accepted_somewhere  # the comparison covers accepted drafts, not only bonus tokens
+
+
+def chain_decode_sample(target, drafter, data, i: int):
+    """Decode sample ``i``'s prompt with the drafter's chain (DFlash) for as many tokens as its
+    response has; the result must be that response (the target's own greedy output)."""
+    seq, plen = data.sequences[i], data.prompt_lengths[i]
+    result = decode(
+        TreeVerifier(target, drafter.target_layer_ids),
+        seq[:plen].tolist(),
+        make_policy("dflash"),
+        proposer=DFlashProposer(drafter, target),
+        max_new_tokens=len(seq) - plen,
+    )
+    assert result.token_ids == seq[plen:].tolist()
+    return result
 
 
 def assert_ddtree_equals_ar(target, drafter, data, sample: int):
@@ -296,16 +319,8 @@ def test_memorised_samples_decode_in_whole_blocks(target, data, tmp_path):
     )
     train_drafter(target, few, tmp_path, cfg, resume=False, progress=False)
     drafter = DFlashDraftModel.from_pretrained(tmp_path / "checkpoint", dtype=torch.float64)
-    verifier = TreeVerifier(target, drafter.target_layer_ids)
-    for seq, plen in zip(few.sequences, few.prompt_lengths):
-        result = decode(
-            verifier,
-            seq[:plen].tolist(),
-            make_policy("dflash"),
-            proposer=DFlashProposer(drafter, target),
-            max_new_tokens=len(seq) - plen,
-        )
-        assert result.token_ids == seq[plen:].tolist()
+    for i in range(len(few.sequences)):
+        result = chain_decode_sample(target, drafter, few, i)
         full_rounds = result.stats.per_round[:-1]  # the last round is cut by max_new_tokens
         tau = sum(r.committed for r in full_rounds) / len(full_rounds)
         assert tau >= 0.8 * cfg.block_size, tau
@@ -473,3 +488,72 @@ def test_dpace_weighting_trains_and_is_kept_on_resume(target, data, tmp_path):
         config(loss_weighting="kl").validate()
     with pytest.raises(ValueError, match="dpace_alpha"):
         config(dpace_alpha=0.0).validate()
+
+
+def test_split_keeps_each_samples_side_when_the_data_grows(data, tmp_path):
+    """With a run's split record, samples keep their side (held out or trained on) as the data
+    grows; without a record the split is the seeded rule of earlier versions."""
+    from caddtree.train.data import split_samples
+
+    cfg = config(eval_fraction=0.25)
+    record = tmp_path / "split.json"
+    first = TrainingData(data.sequences[:24], data.prompt_lengths[:24])
+    train24, held24 = split_samples(first, cfg, record)
+    assert (train24, held24) == split_samples(first, cfg)  # a new record: the plain rule
+    assert len(held24) == 6 and json.loads(record.read_text())["samples"] == 24
+    train40, held40 = split_samples(data, cfg, record)
+    assert set(held24) <= set(held40) and set(train24) <= set(train40)
+    assert sorted(train40 + held40) == list(range(40))
+    assert len(held40) == 6 + 4  # a quarter of the 16 appended samples
+    assert json.loads(record.read_text())["samples"] == 40
+    # a run on fewer samples reads the record's first ones and leaves it whole
+    assert split_samples(first, cfg, record) == (train24, held24)
+    assert json.loads(record.read_text())["samples"] == 40
+    # a record made under another seed does not apply
+    other = config(eval_fraction=0.25, seed=5)
+    assert split_samples(data, other, record) == split_samples(data, other)
+
+
+def test_feature_cache_computes_only_appended_samples(target, data, tmp_path, monkeypatch):
+    """Growing the data computes the new samples' features only (also from a cache written
+    before the digest existed); other data, layers or targets are computed afresh."""
+    from safetensors.torch import save_file
+
+    from caddtree.train import features as feature_module
+    from caddtree.train.data import target_fingerprint
+
+    computed = []
+    real = feature_module.compute_features
+
+    def counting(target, data, layer_ids, **kw):
+        computed.append(len(data.sequences))
+        return real(target, data, layer_ids, **kw)
+
+    monkeypatch.setattr(feature_module, "compute_features", counting)
+    path = tmp_path / "features.safetensors"
+    first = TrainingData(data.sequences[:12], data.prompt_lengths[:12])
+    feature_module.cached_features(target, first, [0, 2], path, progress=False)
+    grown = feature_module.cached_features(target, data, [0, 2], path, progress=False)
+    assert computed == [12, 28]
+    expected = real(target, data, [0, 2], progress=False)
+    for got, want in zip(grown, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    loaded = feature_module.load_features(path)
+    assert len(loaded) == 40 and all(torch.equal(a, b) for a, b in zip(loaded, grown))
+    assert len(feature_module.cached_features(target, data, [0, 2], path, False)) == 40
+    assert computed == [12, 28]  # all cached now
+    # a sample of the cached prefix changed: its features are stale, so all are recomputed
+    changed = TrainingData([s.clone() for s in data.sequences], list(data.prompt_lengths))
+    changed.sequences[3][-1] = (changed.sequences[3][-1] + 1) % 90
+    feature_module.cached_features(target, changed, [0, 2], path, progress=False)
+    assert computed == [12, 28, 40]
+    feature_module.cached_features(target, changed, [0, 1], path, progress=False)
+    assert computed == [12, 28, 40, 40]
+    # a file in the earlier format (its key has counts but no digest) is extended too
+    old_key = {"layers": [0, 2], "n": 12, "tokens": int(sum(len(s) for s in first.sequences))}
+    feats = real(target, first, [0, 2], progress=False)
+    tensors = {"features": torch.cat(feats), "lengths": torch.tensor([len(f) for f in feats])}
+    key = json.dumps({**old_key, **target_fingerprint(target)})
+    save_file(tensors, str(path), metadata={"key": key})
+    again = feature_module.cached_features(target, data, [0, 2], path, progress=False)
+    assert computed[-1] == 28 and len(again) == 40

@@ -63,9 +63,15 @@ def run_command(command: Callable[[], int]) -> int:
     Ctrl-C is ``caddtree: interrupted`` and 130, a closed pipe (``caddtree ... | head``) ends
     quietly with the status of a process ended by SIGPIPE."""
     install_log_handler()
+    _INTERRUPTS.clear()
+    previous = _note_interrupts()
     try:
         status = command()
         sys.stdout.flush()  # a closed pipe is reported here, not at interpreter exit
+        if _INTERRUPTS:
+            # a Ctrl-C that some library swallowed (one that catches everything around an
+            # import, under load): the user still asked to stop
+            raise KeyboardInterrupt
         return status
     except CaddtreeError as exc:
         print(f"caddtree: error: {exc}", file=sys.stderr)
@@ -75,3 +81,39 @@ def run_command(command: Callable[[], int]) -> int:
         return 130
     except BrokenPipeError:
         return _quiet_broken_pipe()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+# the Ctrl-Cs of the running command that nothing has handled (see run_command)
+_INTERRUPTS: list[int] = []
+
+
+@contextlib.contextmanager
+def stop_on_interrupt():
+    """Run the block until Ctrl-C, as a command that ends normally on it does (a server): the
+    :class:`KeyboardInterrupt` ends the block, and :func:`run_command` does not report it."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _INTERRUPTS.clear()
+
+
+def _note_interrupts():
+    """Where Ctrl-C raises :class:`KeyboardInterrupt` as usual (Python's own handler, in the main
+    thread), also note each one in ``_INTERRUPTS``; returns the handler to restore, or None where
+    nothing was changed (Ctrl-C ignored, as for a shell's background job, or handled by the
+    embedding program)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+
+    def interrupt(signum, frame):
+        _INTERRUPTS.append(signum)
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGINT, interrupt)

@@ -85,7 +85,10 @@ def train_drafter(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     sources: dict = {
         "sharegpt": lambda: prompt_data.sharegpt_prompts()[: args.sharegpt],
-        "stdlib": lambda: rng.sample(prompt_data.stdlib_code_prompts(), args.code),
+        # a larger --code adds prompts after the ones a smaller one chose (data can grow)
+        "stdlib": lambda: prompt_data.stable_sample(
+            rng, prompt_data.stdlib_code_prompts(), args.code
+        ),
         "math": lambda: prompt_data.synthetic_math_prompts(args.math, seed=args.seed),
     }
     magpie_report = None
@@ -111,8 +114,23 @@ def train_drafter(args: argparse.Namespace) -> int:
         sources["magpie"] = lambda: magpie_report.kept
     if user_prompts is not None:
         sources["file"] = lambda: user_prompts
+    from ..train import TrainingData, chat_prompt_ids, split_samples
+
+    # responses made earlier stay first, in their order, and new prompts are appended after
+    # them; the held-out side of each of their samples is recorded before the data grows
+    existing: list[tuple[int, ...]] = []
+    if (out / "data.safetensors").is_file():
+        earlier = TrainingData.load(out / "data.safetensors")
+        existing = [
+            tuple(s[:p].tolist()) for s, p in zip(earlier.sequences, earlier.prompt_lengths)
+        ]
+        split_samples(earlier, config, out / "split.json")
     prompt_set = prompt_data.build_training_prompts(
-        args.max_prompts, seed=args.seed, sources=sources
+        args.max_prompts,
+        seed=args.seed,
+        sources=sources,
+        existing=existing,
+        key=lambda prompt: tuple(chat_prompt_ids(tokenizer, prompt)),
     )
     print(
         f"training prompts: {len(prompt_set.prompts)} {prompt_set.sources} "
@@ -138,9 +156,8 @@ def train_drafter(args: argparse.Namespace) -> int:
     # the held-out samples' prompts, e.g. for `caddtree bench --prompts` to compare drafters on
     # prompts no training step saw
     from ..files import atomic_write_text
-    from ..train import split_samples
 
-    heldout = [prompt_set.prompts[i] for i in split_samples(data, config)[1]]
+    heldout = [prompt_set.prompts[i] for i in split_samples(data, config, out / "split.json")[1]]
     atomic_write_text(
         out / "heldout_prompts.jsonl",
         "".join(json.dumps({"prompt": p}) + "\n" for p in heldout if isinstance(p, str)),
@@ -206,7 +223,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_target_argument(p)
     p.add_argument(
-        "--output", required=True, help="run directory (data, features, checkpoint, log)"
+        "--output",
+        required=True,
+        help="run directory (data, features, checkpoint, log); run again with larger prompt "
+        "sources to grow its data: the responses made before stay first, new prompts are "
+        "appended, and only their responses and features are computed",
     )
     p.add_argument("--sharegpt", type=int, default=500, help="ShareGPT prompts to use (max 500)")
     p.add_argument("--code", type=int, default=500, help="stdlib code prompts to use")

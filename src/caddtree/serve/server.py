@@ -10,7 +10,6 @@ and cached.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import socket
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 from ..checks import check_int
 from ..errors import CaddtreeError, InvalidInputError
 from ..loading import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
-from ..logs import run_command
+from ..logs import run_command, stop_on_interrupt
 
 __all__ = ["add_arguments", "load_generator", "main"]
 
@@ -174,7 +173,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         server = uvicorn.Server(config)
         print(f"caddtree: serving {name} at {_url(sock)}", file=sys.stderr, flush=True)
-        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it stopped on
+        with stop_on_interrupt():  # uvicorn re-raises the Ctrl-C it stopped on
             server.run(sockets=[sock])
         print("caddtree: server stopped", file=sys.stderr)
     finally:

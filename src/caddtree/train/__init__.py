@@ -5,7 +5,8 @@
 ``magpie``      prompts the target writes itself (Magpie), and users' prompt files
 ``data``        stage 1: the frozen target's responses (``data.safetensors``); draft vocabulary
 ``features``    stage 2: the target's context features of every token (``features.safetensors``)
-``trainer``     stage 3: anchor-block loss, AdamW, checkpoints in the released format
+``loss``        stage 3's anchor-block loss, and the held-out figures (chain walk) made with it
+``trainer``     stage 3: AdamW over that loss, checkpoints in the released format
                 (``checkpoint/``)
 ==============  ===================================================================================
 
@@ -29,10 +30,12 @@ _EXPORTS = {
     "prepare_data": "data",
     "target_fingerprint": "data",
     "compute_features": "features",
+    "load_features": "features",
     "TrainConfig": "trainer",
-    "build_training_batch": "trainer",
+    "AnchorBlockLoss": "loss",
+    "build_training_batch": "loss",
     "load_trained_drafter": "trainer",
-    "split_samples": "trainer",
+    "split_samples": "data",
     "train_drafter": "trainer",
     "build_training_prompts": "prompts",
     "training_prompts": "prompts",

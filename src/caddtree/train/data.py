@@ -5,7 +5,8 @@ each sample is ``prompt ids + response ids`` (:class:`TrainingData`, saved as
 ``data.safetensors``). :func:`prepare_data` resumes an interrupted run and refuses to reuse
 responses made for other prompts, settings or another target (:func:`target_fingerprint`). The
 draft vocabulary (EAGLE-3 / FR-Spec) is chosen from the responses' token counts
-(:func:`choose_draft_vocab`).
+(:func:`choose_draft_vocab`). :func:`split_samples` holds samples out for evaluation, and keeps
+each sample's side when the data grows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import InvalidInputError
-from ..files import atomic_write
+from ..files import atomic_write, atomic_write_text
 
 __all__ = [
     "TrainingData",
@@ -31,6 +32,7 @@ __all__ = [
     "draft_vocab_coverage",
     "generate_responses",
     "prepare_data",
+    "split_samples",
     "target_fingerprint",
 ]
 
@@ -243,3 +245,48 @@ def draft_vocab_coverage(data: TrainingData, token_ids: Sequence[int] | torch.Te
     responses = torch.cat([s[p:] for s, p in zip(data.sequences, data.prompt_lengths)])
     ids = torch.as_tensor(token_ids, dtype=torch.long)
     return float(torch.isin(responses, ids).double().mean()) if responses.numel() else 0.0
+
+
+def split_samples(
+    data: TrainingData, config: Any, record: str | os.PathLike[str] | None = None
+) -> tuple[list[int], list[int]]:
+    """Deterministic train / held-out split of the samples that have something to learn, by the
+    ``seed`` and ``eval_fraction`` of ``config`` (a :class:`~caddtree.train.TrainConfig`).
+
+    With ``record`` (a run's ``split.json``) the split survives growth: the samples it covers keep
+    their side, and only samples appended since are split (at ``eval_fraction`` of them, by the
+    same seeded rule), so a prompt held out once is never trained on when the data grows. The
+    record is written when it is missing or covers fewer samples than ``data``; it is ignored
+    (and replaced) when it was made with another seed or fraction.
+    """
+    usable = [
+        i for i, (s, p) in enumerate(zip(data.sequences, data.prompt_lengths)) if len(s) - 1 > p
+    ]
+    if not usable:
+        raise InvalidInputError("no training sample has a response of two or more tokens")
+    rule = {"seed": config.seed, "eval_fraction": config.eval_fraction}
+    saved = None
+    if record is not None and Path(record).is_file():
+        try:
+            saved = json.loads(Path(record).read_text())
+        except (OSError, ValueError):
+            saved = None
+        if not isinstance(saved, dict) or saved.get("rule") != rule:
+            saved = None
+    covered = min(int(saved["samples"]), len(data.sequences)) if saved else 0
+    held_before = {i for i in saved["heldout"] if i < covered} if saved else set()
+
+    def permuted(ids: list[int]) -> list[int]:
+        perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(config.seed))
+        return [ids[i] for i in perm.tolist()]
+
+    # the recorded samples in the order the plain rule gave them, then the appended ones
+    before = permuted([i for i in usable if i < covered])
+    after = permuted([i for i in usable if i >= covered])
+    n_eval = int(len(after) * config.eval_fraction) if len(usable) >= 20 else 0
+    train = [i for i in before if i not in held_before] + after[n_eval:]
+    held = [i for i in before if i in held_before] + after[:n_eval]
+    if record is not None and (saved is None or len(data.sequences) > int(saved["samples"])):
+        payload = {"rule": rule, "samples": len(data.sequences), "heldout": sorted(held)}
+        atomic_write_text(Path(record), json.dumps(payload) + "\n")
+    return train, held

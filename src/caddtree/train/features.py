@@ -1,11 +1,13 @@
 """Stage 2 of drafter training: the target's context features (hidden states after
 ``target_layer_ids``) of every token of every sample, computed once (:func:`compute_features`) and
 cached in ``features.safetensors`` under a key of the layers, the data and the target
-(:func:`cached_features`).
+(:func:`cached_features`). When the data grows by appending samples, only the new samples'
+features are computed; the file then holds one part per extension (:func:`load_features`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +20,7 @@ from ..files import atomic_write
 from ..models.target import extract_context_features
 from .data import TrainingData, target_fingerprint
 
-__all__ = ["cached_features", "compute_features"]
+__all__ = ["cached_features", "compute_features", "load_features"]
 
 
 @torch.inference_mode()
@@ -69,30 +71,85 @@ def compute_features(
     return feats
 
 
+def _data_digest(data: TrainingData, n: int) -> str:
+    """A digest of the first ``n`` samples' tokens (what their cached features were computed
+    from)."""
+    digest = hashlib.sha256()
+    for seq in data.sequences[:n]:
+        digest.update(len(seq).to_bytes(8, "little"))
+        digest.update(seq.to(torch.int32).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _parts(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """The (features, lengths) tensor names of a cache file's parts, in order."""
+    names = [("features", "lengths")]
+    while f"features.{len(names)}" in tensors:
+        names.append((f"features.{len(names)}", f"lengths.{len(names)}"))
+    return names
+
+
+def _samples(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every sample's features (views) in a cache file's tensors, in sample order."""
+    return [
+        f
+        for feats, lengths in _parts(tensors)
+        for f in torch.split(tensors[feats], tensors[lengths].tolist())
+    ]
+
+
+def load_features(path: str | Path) -> list[torch.Tensor]:
+    """Every sample's context features from a ``features.safetensors`` file, in sample order."""
+    return _samples(load_file(path))
+
+
 def cached_features(target, data, layer_ids, path: Path, progress: bool) -> list[torch.Tensor]:
-    """The context features of ``data`` from ``path`` when it holds them for these layers, this
-    data (sample and token counts) and this target (:func:`target_fingerprint`); otherwise
-    computed (:func:`compute_features`) and saved there."""
-    key = json.dumps(
-        {
-            "layers": list(layer_ids),
-            "n": len(data.sequences),
-            "tokens": int(sum(len(s) for s in data.sequences)),
-            **target_fingerprint(target),
-        }
-    )
+    """The context features of ``data``, read from ``path`` as far as it holds them and computed
+    (:func:`compute_features`) for the rest.
+
+    A cache is used when it was made for these layers and this target
+    (:func:`target_fingerprint`) from the first samples of ``data`` (same samples, checked by a
+    digest of their tokens; files written before the digest existed are checked by their token
+    count): then only the samples appended since are computed and added to the file as a new
+    part. Anything else is computed afresh and replaces the file.
+    """
+    fixed = {"layers": list(layer_ids), **target_fingerprint(target)}
+    tensors: dict[str, torch.Tensor] = {}
+    reused: list[torch.Tensor] = []
     if path.is_file():
         from safetensors import safe_open
 
         with safe_open(path, framework="pt") as fh:
-            if (fh.metadata() or {}).get("key") == key:
-                tensors = load_file(path)
-                return list(torch.split(tensors["features"], tensors["lengths"].tolist()))
-    feats = compute_features(target, data, layer_ids, progress=progress)
-    flat = torch.cat(feats)
-    lengths = torch.tensor([f.shape[0] for f in feats])
-    atomic_write(
-        path,
-        lambda tmp: save_file({"features": flat, "lengths": lengths}, tmp, metadata={"key": key}),
-    )
-    return feats
+            key = json.loads((fh.metadata() or {}).get("key", "{}"))
+        n = key.get("n")
+        if (
+            {k: key.get(k) for k in fixed} == fixed
+            and isinstance(n, int)
+            and 0 < n <= len(data.sequences)
+            and key.get("tokens") == int(sum(len(s) for s in data.sequences[:n]))
+            and key.get("digest", _data_digest(data, n)) == _data_digest(data, n)
+        ):
+            tensors = load_file(path)
+            reused = _samples(tensors)
+            if len(reused) != n:  # a damaged file: start again
+                tensors, reused = {}, []
+    if len(reused) == len(data.sequences):
+        return reused
+    rest = TrainingData(data.sequences[len(reused) :], data.prompt_lengths[len(reused) :])
+    new = compute_features(target, rest, layer_ids, progress=progress)
+    part = len(_parts(tensors)) if tensors else 0
+    suffix = f".{part}" if part else ""
+    lengths = [f.shape[0] for f in new]
+    tensors[f"features{suffix}"] = torch.cat(new)
+    tensors[f"lengths{suffix}"] = torch.tensor(lengths)
+    # views into the saved part, so the per-sample copies can go
+    new = list(torch.split(tensors[f"features{suffix}"], lengths))
+    n = len(data.sequences)
+    key = {
+        **fixed,
+        "n": n,
+        "tokens": int(sum(len(s) for s in data.sequences)),
+        "digest": _data_digest(data, n),
+    }
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"key": json.dumps(key)}))
+    return reused + new

@@ -1,12 +1,9 @@
-"""Stage 3 of drafter training: the anchor-block loss, the optimiser loop and its checkpoints.
+"""Stage 3 of drafter training: the optimiser loop and its checkpoints.
 
-Each step draws random *anchor* positions inside responses. A block is ``[anchor token, MASK x
-(B-1)]`` at positions ``anchor .. anchor+B-1``; it sees the context features strictly before its
-anchor and itself (bidirectionally), never other blocks (:func:`build_training_batch`). The loss is
-cross-entropy through the target's frozen ``lm_head`` on block positions ``1 .. B-1`` (predicting
-tokens ``anchor+1 .. anchor+B-1``), weighted by ``exp(-(k - 1) / gamma)`` for position ``k``
-(``gamma = 7``), so near positions, which decide acceptance, count most. AdamW with linear warm-up
-then cosine decay, gradient clipping.
+Each step draws random *anchor* positions inside responses and takes the anchor-block loss of
+:mod:`caddtree.train.loss` (blocks of ``[anchor token, MASK x (B-1)]`` that see the context
+features before their anchor, cross-entropy through the target's frozen ``lm_head``, near
+positions weighted most). AdamW with linear warm-up then cosine decay, gradient clipping.
 
 Determinism: with the same seed, data, and machine, the anchors, the sample order and the initial
 weights are the same, and a resumed run continues exactly as an uninterrupted one would (the
@@ -41,16 +38,14 @@ from ..models.dflash import (
     DFlashDraftModel,
     check_drafter_fits_target,
     default_target_layer_ids,
-    draft_lm_head,
 )
-from .data import TrainingData, choose_draft_vocab
+from .data import TrainingData, choose_draft_vocab, split_samples
 from .features import cached_features
+from .loss import AnchorBlockLoss, evaluate
 
 __all__ = [
     "TrainConfig",
-    "build_training_batch",
     "load_trained_drafter",
-    "split_samples",
     "train_drafter",
 ]
 
@@ -123,158 +118,12 @@ class TrainConfig:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_training_batch(
-    tokens: torch.Tensor | Sequence[torch.Tensor],
-    anchors: torch.Tensor | Sequence[torch.Tensor],
-    block_size: int,
-    mask_token_id: int,
-    dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """Inputs for one drafter forward over anchor blocks of ``b`` sequences at once.
-
-    ``tokens`` is one sequence or a list of ``b``; ``anchors`` the matching anchor positions (one
-    tensor per sequence). With ``T`` the longest sequence and ``M`` the most anchors, returns
-    ``block_tokens`` [b, M*B], ``position_ids`` [b, T + M*B], an additive ``attention_mask``
-    [b, 1, M*B, T + M*B] and ``labels`` [b, M, B-1]. Block ``j`` of a sequence sees that
-    sequence's context positions ``< anchors[j]`` and its own ``B`` positions, nothing else;
-    labels are the tokens ``anchor+1 .. anchor+B-1`` (``-100`` past the end of the sequence and
-    for padding blocks). Context features are padded to ``T`` with anything: no block sees them.
-    The caller applies the position weights ``exp(-(k-1)/gamma)``.
-    """
-    if isinstance(tokens, torch.Tensor):
-        tokens, anchors = [tokens], [anchors]
-    b, B = len(tokens), block_size
-    T = max(int(t.shape[0]) for t in tokens)
-    M = max(int(a.shape[0]) for a in anchors)
-    offsets = torch.arange(B)
-    block_tokens = torch.full((b, M, B), mask_token_id, dtype=torch.long)
-    positions = torch.zeros((b, T + M * B), dtype=torch.long)
-    visible = torch.zeros((b, M * B, T + M * B), dtype=torch.bool)
-    labels = torch.full((b, M, B - 1), -100, dtype=torch.long)
-    block_of = torch.arange(M).repeat_interleave(B)
-    for r, (seq, anc) in enumerate(zip(tokens, anchors)):
-        n, m = int(seq.shape[0]), int(anc.shape[0])
-        block_tokens[r, :m, 0] = seq[anc]
-        positions[r, :T] = torch.arange(T)
-        positions[r, T : T + m * B] = (anc[:, None] + offsets).reshape(-1)
-        ctx = torch.arange(T)[None, :] < anc[:, None]  # [m, T]
-        visible[r, : m * B, :T] = ctx.repeat_interleave(B, dim=0)
-        own = block_of[: m * B, None] == block_of[None, : m * B]
-        visible[r, : m * B, T : T + m * B] = own
-        target_pos = anc[:, None] + offsets[1:]  # [m, B-1]
-        labels[r, :m] = torch.where(
-            target_pos < n, seq[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100)
-        )
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return {
-        "block_tokens": block_tokens.reshape(b, M * B),
-        "position_ids": positions,
-        "attention_mask": mask[:, None],
-        "labels": labels,
-    }
-
-
-def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D-PACE position weights [..., B-1] (arXiv 2605.18810) from the cross-entropies ``ce`` of
-    the ``valid`` positions (flat, in the order of ``valid``'s True entries).
-
-    With ``q = exp(-ce)`` the drafter's probability of the label, smoothed to
-    ``q~ = (1 - alpha) q + alpha``, position ``j`` weighs ``sum_{m >= j} prod_{i <= m} q~_i``:
-    the chance that the chain reaches it times the accepted length it can still add. An invalid
-    position (past the sequence, or a label outside the draft vocabulary) ends the chain, as it
-    does when decoding. Weights carry no gradient.
-    """
-    q = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
-    q[valid] = (1 - alpha) * torch.exp(-ce.float()) + alpha
-    reach = torch.cumprod(q, dim=-1)
-    return reach.flip(-1).cumsum(-1).flip(-1) * valid
-
-
 def _lr_at(step: int, config: TrainConfig) -> float:
     if step < config.warmup_steps:
         return config.learning_rate * (step + 1) / config.warmup_steps
     span = max(1, config.steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-class _Trainer:
-    def __init__(self, drafter, target, features, data, config, device):
-        self.drafter, self.config, self.device = drafter, config, device
-        self.embed = target.get_input_embeddings()
-        self.embed.requires_grad_(False)
-        ids = drafter.draft_token_ids
-        # the target's lm_head, or its rows of the draft vocabulary (frozen either way)
-        self.lm_head = draft_lm_head(target.get_output_embeddings(), ids).requires_grad_(False)
-        self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
-        if ids is not None:
-            vocab = int(target.config.get_text_config().vocab_size)
-            self.label_map = torch.full((vocab,), -100, dtype=torch.long, device=device)
-            self.label_map[ids.to(device)] = torch.arange(ids.numel(), device=device)
-        self.features, self.data = features, data
-        B = config.block_size
-        self.position_weights = torch.exp(
-            -torch.arange(B - 1, dtype=torch.float32) / config.gamma
-        ).to(device)
-
-    def batch_loss(self, sample_ids: Sequence[int], generator: torch.Generator):
-        """Weighted cross-entropy of ``anchors_per_sample`` random blocks of each sample, all in
-        one drafter forward; returns the loss and the acceptance statistics of the batch."""
-        cfg, dev = self.config, self.device
-        seqs, anchors = [], []
-        for i in sample_ids:
-            tokens = self.data.sequences[i]
-            P, T = self.data.prompt_lengths[i], tokens.shape[0]
-            candidates = torch.arange(P, T - 1)
-            M = min(cfg.anchors_per_sample, candidates.numel())
-            perm = torch.randperm(candidates.numel(), generator=generator)[:M]
-            seqs.append(tokens)
-            anchors.append(candidates[perm].sort().values)
-        dtype = self.drafter.fc.weight.dtype
-        batch = build_training_batch(
-            seqs, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
-        )
-        T = batch["position_ids"].shape[1] - batch["block_tokens"].shape[1]
-        width = self.drafter.fc.in_features
-        hidden_in = torch.zeros((len(seqs), T, width), dtype=dtype)
-        for r, i in enumerate(sample_ids):
-            feats = self.features[i]
-            hidden_in[r, : feats.shape[0]] = feats.to(dtype)
-        labels = batch["labels"].to(dev)  # [b, M, B-1], target ids
-        in_range = labels >= 0
-        if self.label_map is not None:
-            labels = torch.where(in_range, self.label_map[labels.clamp(min=0)], labels)
-        valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
-        amp = cfg.precision == "bfloat16"
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            noise = self.embed(batch["block_tokens"].to(dev)).to(dtype)
-            hidden = self.drafter(
-                noise_embedding=noise,
-                target_hidden=hidden_in.to(dev),
-                position_ids=batch["position_ids"].to(dev),
-                attention_mask=batch["attention_mask"].to(dev),
-            )
-            b, M, B = labels.shape[0], labels.shape[1], cfg.block_size
-            h = hidden.view(b, M, B, -1)[:, :, 1:]  # [b, M, B-1, H]
-            logits = self.lm_head(h[valid].to(self.lm_head.weight.dtype)).float()
-        ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")
-        if cfg.loss_weighting == "dpace":
-            w = dpace_weights(ce.detach(), valid, cfg.dpace_alpha)[valid]
-        else:
-            w = self.position_weights.expand(b, M, -1)[valid]
-        loss = (w * ce).sum() / w.sum()
-        with torch.no_grad():
-            correct = torch.zeros_like(labels, dtype=torch.bool)
-            correct[valid] = logits.argmax(-1) == labels[valid]
-            # acceptance of a chain draft, block by block: the leading run of correct predictions
-            # (a token outside the draft vocabulary ends it, as it would when decoding)
-            run = torch.cumprod((correct | ~in_range).float(), dim=-1) * in_range.float()
-            blocks = in_range[..., 0]
-            stats = {
-                "top1": correct[..., 0][blocks].float().mean().item(),
-                "accept": run.sum(-1)[blocks].mean().item(),
-            }
-        return loss, stats
 
 
 def _save_checkpoint(
@@ -402,8 +251,8 @@ def train_drafter(
         features = cached_features(
             target, data, config.target_layer_ids, out / "features.safetensors", progress
         )
-    train_ids, eval_ids = split_samples(data, config)
-    trainer = _Trainer(drafter, target, features, data, config, device)
+    train_ids, eval_ids = split_samples(data, config, out / "split.json")
+    trainer = AnchorBlockLoss(drafter, target, features, data, config, device)
     optimizer = torch.optim.AdamW(
         drafter.parameters(),
         lr=config.learning_rate,
@@ -522,20 +371,9 @@ def _new_drafter(
     return drafter
 
 
-def split_samples(data: TrainingData, config: TrainConfig) -> tuple[list[int], list[int]]:
-    """Deterministic train / held-out split of the samples that have something to learn."""
-    usable = [
-        i for i, (s, p) in enumerate(zip(data.sequences, data.prompt_lengths)) if len(s) - 1 > p
-    ]
-    if not usable:
-        raise InvalidInputError("no training sample has a response of two or more tokens")
-    perm = torch.randperm(len(usable), generator=torch.Generator().manual_seed(config.seed))
-    n_eval = int(len(usable) * config.eval_fraction) if len(usable) >= 20 else 0
-    order = [usable[i] for i in perm.tolist()]
-    return order[n_eval:], order[:n_eval]
-
-
-def _train_step(trainer: _Trainer, optimizer, train_ids, eval_ids, step: int) -> dict[str, Any]:
+def _train_step(
+    trainer: AnchorBlockLoss, optimizer, train_ids, eval_ids, step: int
+) -> dict[str, Any]:
     """One optimiser step on ``samples_per_step`` samples drawn with the RNG of ``(seed, step)``."""
     config, drafter = trainer.config, trainer.drafter
     t0 = time.perf_counter()
@@ -557,28 +395,8 @@ def _train_step(trainer: _Trainer, optimizer, train_ids, eval_ids, step: int) ->
         "step_s": round(time.perf_counter() - t0, 3),
     }
     if eval_ids and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-        entry.update(_evaluate(trainer, eval_ids, config.seed))
+        entry.update(evaluate(trainer, eval_ids, config.seed))
     return entry
-
-
-@torch.no_grad()
-def _evaluate(trainer: _Trainer, eval_ids: list[int], seed: int) -> dict[str, float]:
-    trainer.drafter.eval()
-    g = torch.Generator().manual_seed(seed + 17)
-    losses, top1, accept = [], [], []
-    size = trainer.config.samples_per_step
-    for k in range(0, len(eval_ids), size):
-        loss, stats = trainer.batch_loss(eval_ids[k : k + size], g)
-        losses.append(loss.item())
-        top1.append(stats["top1"])
-        accept.append(stats["accept"])
-    trainer.drafter.train()
-    n = len(losses)
-    return {
-        "eval_loss": sum(losses) / n,
-        "eval_top1": sum(top1) / n,
-        "eval_accept": sum(accept) / n,
-    }
 
 
 def _default_mask_token(target: Any, data: TrainingData) -> int:

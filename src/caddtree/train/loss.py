@@ -1,0 +1,230 @@
+"""The drafter's training loss over anchor blocks, and the held-out figures made from it.
+
+A block is ``[anchor token, MASK x (B-1)]`` at positions ``anchor .. anchor+B-1``; it sees the
+context features strictly before its anchor and itself (bidirectionally), never other blocks
+(:func:`build_training_batch`). The loss is cross-entropy through the target's frozen ``lm_head``
+on block positions ``1 .. B-1`` (predicting tokens ``anchor+1 .. anchor+B-1``), weighted by
+``exp(-(k - 1) / gamma)`` for position ``k`` or by D-PACE (:func:`dpace_weights`)
+(:class:`AnchorBlockLoss`). :func:`evaluate` reports it on held-out samples, with the chain
+decoding that teacher-forced blocks imply (:meth:`AnchorBlockLoss.chain_walk`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..models.dflash import draft_lm_head
+
+__all__ = ["WALK_SAMPLES", "AnchorBlockLoss", "build_training_batch", "dpace_weights", "evaluate"]
+
+
+def build_training_batch(
+    tokens: torch.Tensor | Sequence[torch.Tensor],
+    anchors: torch.Tensor | Sequence[torch.Tensor],
+    block_size: int,
+    mask_token_id: int,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Inputs for one drafter forward over anchor blocks of ``b`` sequences at once.
+
+    ``tokens`` is one sequence or a list of ``b``; ``anchors`` the matching anchor positions (one
+    tensor per sequence). With ``T`` the longest sequence and ``M`` the most anchors, returns
+    ``block_tokens`` [b, M*B], ``position_ids`` [b, T + M*B], an additive ``attention_mask``
+    [b, 1, M*B, T + M*B] and ``labels`` [b, M, B-1]. Block ``j`` of a sequence sees that
+    sequence's context positions ``< anchors[j]`` and its own ``B`` positions, nothing else;
+    labels are the tokens ``anchor+1 .. anchor+B-1`` (``-100`` past the end of the sequence and
+    for padding blocks). Context features are padded to ``T`` with anything: no block sees them.
+    The caller applies the position weights ``exp(-(k-1)/gamma)``.
+    """
+    if isinstance(tokens, torch.Tensor):
+        tokens, anchors = [tokens], [anchors]
+    b, B = len(tokens), block_size
+    T = max(int(t.shape[0]) for t in tokens)
+    M = max(int(a.shape[0]) for a in anchors)
+    offsets = torch.arange(B)
+    block_tokens = torch.full((b, M, B), mask_token_id, dtype=torch.long)
+    positions = torch.zeros((b, T + M * B), dtype=torch.long)
+    visible = torch.zeros((b, M * B, T + M * B), dtype=torch.bool)
+    labels = torch.full((b, M, B - 1), -100, dtype=torch.long)
+    block_of = torch.arange(M).repeat_interleave(B)
+    for r, (seq, anc) in enumerate(zip(tokens, anchors)):
+        n, m = int(seq.shape[0]), int(anc.shape[0])
+        block_tokens[r, :m, 0] = seq[anc]
+        positions[r, :T] = torch.arange(T)
+        positions[r, T : T + m * B] = (anc[:, None] + offsets).reshape(-1)
+        ctx = torch.arange(T)[None, :] < anc[:, None]  # [m, T]
+        visible[r, : m * B, :T] = ctx.repeat_interleave(B, dim=0)
+        own = block_of[: m * B, None] == block_of[None, : m * B]
+        visible[r, : m * B, T : T + m * B] = own
+        target_pos = anc[:, None] + offsets[1:]  # [m, B-1]
+        labels[r, :m] = torch.where(
+            target_pos < n, seq[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100)
+        )
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return {
+        "block_tokens": block_tokens.reshape(b, M * B),
+        "position_ids": positions,
+        "attention_mask": mask[:, None],
+        "labels": labels,
+    }
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [..., B-1] (arXiv 2605.18810) from the cross-entropies ``ce`` of
+    the ``valid`` positions (flat, in the order of ``valid``'s True entries).
+
+    With ``q = exp(-ce)`` the drafter's probability of the label, smoothed to
+    ``q~ = (1 - alpha) q + alpha``, position ``j`` weighs ``sum_{m >= j} prod_{i <= m} q~_i``:
+    the chance that the chain reaches it times the accepted length it can still add. An invalid
+    position (past the sequence, or a label outside the draft vocabulary) ends the chain, as it
+    does when decoding. Weights carry no gradient.
+    """
+    q = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
+    q[valid] = (1 - alpha) * torch.exp(-ce.float()) + alpha
+    reach = torch.cumprod(q, dim=-1)
+    return reach.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+class AnchorBlockLoss:
+    """The training loss of a drafter over anchor blocks of samples (their cached context features
+    in ``features``), through the target's frozen embeddings and ``lm_head`` (its draft-vocabulary
+    rows where the drafter has one)."""
+
+    def __init__(self, drafter, target, features, data, config, device):
+        self.drafter, self.config, self.device = drafter, config, device
+        self.embed = target.get_input_embeddings()
+        self.embed.requires_grad_(False)
+        ids = drafter.draft_token_ids
+        # the target's lm_head, or its rows of the draft vocabulary (frozen either way)
+        self.lm_head = draft_lm_head(target.get_output_embeddings(), ids).requires_grad_(False)
+        self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
+        if ids is not None:
+            vocab = int(target.config.get_text_config().vocab_size)
+            self.label_map = torch.full((vocab,), -100, dtype=torch.long, device=device)
+            self.label_map[ids.to(device)] = torch.arange(ids.numel(), device=device)
+        self.features, self.data = features, data
+        B = config.block_size
+        self.position_weights = torch.exp(
+            -torch.arange(B - 1, dtype=torch.float32) / config.gamma
+        ).to(device)
+
+    def batch_loss(
+        self,
+        sample_ids: Sequence[int],
+        generator: torch.Generator | None,
+        anchors: Sequence[torch.Tensor] | None = None,
+    ):
+        """Weighted cross-entropy of ``anchors_per_sample`` random blocks of each sample (or the
+        blocks at the given ``anchors``, one sorted tensor per sample), all in one drafter
+        forward; returns the loss and the acceptance statistics of the batch (``runs``: each
+        block's chain acceptance, [samples, blocks])."""
+        cfg, dev = self.config, self.device
+        seqs = [self.data.sequences[i] for i in sample_ids]
+        if anchors is None:
+            anchors = []
+            for i, tokens in zip(sample_ids, seqs):
+                P, T = self.data.prompt_lengths[i], tokens.shape[0]
+                candidates = torch.arange(P, T - 1)
+                M = min(cfg.anchors_per_sample, candidates.numel())
+                perm = torch.randperm(candidates.numel(), generator=generator)[:M]
+                anchors.append(candidates[perm].sort().values)
+        dtype = self.drafter.fc.weight.dtype
+        batch = build_training_batch(
+            seqs, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
+        )
+        T = batch["position_ids"].shape[1] - batch["block_tokens"].shape[1]
+        width = self.drafter.fc.in_features
+        hidden_in = torch.zeros((len(seqs), T, width), dtype=dtype)
+        for r, i in enumerate(sample_ids):
+            feats = self.features[i]
+            hidden_in[r, : feats.shape[0]] = feats.to(dtype)
+        labels = batch["labels"].to(dev)  # [b, M, B-1], target ids
+        in_range = labels >= 0
+        if self.label_map is not None:
+            labels = torch.where(in_range, self.label_map[labels.clamp(min=0)], labels)
+        valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
+        amp = cfg.precision == "bfloat16"
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            noise = self.embed(batch["block_tokens"].to(dev)).to(dtype)
+            hidden = self.drafter(
+                noise_embedding=noise,
+                target_hidden=hidden_in.to(dev),
+                position_ids=batch["position_ids"].to(dev),
+                attention_mask=batch["attention_mask"].to(dev),
+            )
+            b, M, B = labels.shape[0], labels.shape[1], cfg.block_size
+            h = hidden.view(b, M, B, -1)[:, :, 1:]  # [b, M, B-1, H]
+            logits = self.lm_head(h[valid].to(self.lm_head.weight.dtype)).float()
+        ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")
+        if cfg.loss_weighting == "dpace":
+            w = dpace_weights(ce.detach(), valid, cfg.dpace_alpha)[valid]
+        else:
+            w = self.position_weights.expand(b, M, -1)[valid]
+        loss = (w * ce).sum() / w.sum()
+        with torch.no_grad():
+            correct = torch.zeros_like(labels, dtype=torch.bool)
+            correct[valid] = logits.argmax(-1) == labels[valid]
+            # acceptance of a chain draft, block by block: the leading run of correct predictions
+            # (a token outside the draft vocabulary ends it, as it would when decoding)
+            run = torch.cumprod((correct | ~in_range).float(), dim=-1) * in_range.float()
+            blocks = in_range[..., 0]
+            stats = {
+                "top1": correct[..., 0][blocks].float().mean().item(),
+                "accept": run.sum(-1)[blocks].mean().item(),
+                "runs": run.sum(-1).long().cpu(),
+            }
+        return loss, stats
+
+    @torch.no_grad()
+    def chain_walk(self, sample_id: int, chunk: int = 64) -> list[int]:
+        """The tokens each round of chain decoding (DFlash) would commit on this sample's
+        response, from teacher-forced blocks: the first anchor is the response's first token,
+        a round accepts the block's leading run of correct predictions and adds the target's
+        bonus token, and the next anchor is the last token committed. As decoding does, it
+        spends more rounds where acceptance is low (blocks placed uniformly at random do not)."""
+        tokens = self.data.sequences[sample_id]
+        P, T = self.data.prompt_lengths[sample_id], int(tokens.shape[0])
+        every = torch.arange(P, T - 1)
+        runs = torch.cat(
+            [
+                self.batch_loss([sample_id], None, [every[k : k + chunk]])[1]["runs"][0]
+                for k in range(0, every.numel(), chunk)
+            ]
+        ).tolist()
+        committed, at = [], 0  # ``at``: the anchor's index in ``every``
+        while at < len(runs):
+            committed.append(min(runs[at] + 1, len(runs) - at))
+            at += runs[at] + 1
+        return committed
+
+
+# how many held-out samples the chain walk of each evaluation decodes (the first in split order)
+WALK_SAMPLES = 32
+
+
+@torch.no_grad()
+def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict[str, float]:
+    """Held-out figures: the loss, position 1's top-1 accuracy and the mean chain acceptance of
+    random blocks (``eval_loss``, ``eval_top1``, ``eval_accept``), and ``eval_walk_tau``, the
+    tokens per round of chain decoding on the first :data:`WALK_SAMPLES` held-out responses
+    (:meth:`AnchorBlockLoss.chain_walk`, pooled), which is what decoding measures as tau."""
+    loss.drafter.eval()
+    g = torch.Generator().manual_seed(seed + 17)
+    losses, top1, accept = [], [], []
+    size = loss.config.samples_per_step
+    for k in range(0, len(eval_ids), size):
+        value, stats = loss.batch_loss(eval_ids[k : k + size], g)
+        losses.append(value.item())
+        top1.append(stats["top1"])
+        accept.append(stats["accept"])
+    rounds = [c for i in eval_ids[:WALK_SAMPLES] for c in loss.chain_walk(i)]
+    loss.drafter.train()
+    n = len(losses)
+    return {
+        "eval_loss": sum(losses) / n,
+        "eval_top1": sum(top1) / n,
+        "eval_accept": sum(accept) / n,
+        "eval_walk_tau": sum(rounds) / len(rounds),
+    }
