@@ -557,3 +557,7 @@ def test_feature_cache_computes_only_appended_samples(target, data, tmp_path, mo
     save_file(tensors, str(path), metadata={"key": key})
     again = feature_module.cached_features(target, data, [0, 2], path, progress=False)
     assert computed[-1] == 28 and len(again) == 40
+    # a damaged file is computed again, not a traceback
+    path.write_bytes(path.read_bytes()[:100])
+    assert len(feature_module.cached_features(target, data, [0, 2], path, False)) == 40
+    assert computed[-1] == 40 and len(feature_module.load_features(path)) == 40

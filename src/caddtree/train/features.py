@@ -103,6 +103,14 @@ def load_features(path: str | Path) -> list[torch.Tensor]:
     return _samples(load_file(path))
 
 
+def _cache_key(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as fh:
+        key = json.loads((fh.metadata() or {}).get("key", "{}"))
+    return key if isinstance(key, dict) else {}
+
+
 def cached_features(target, data, layer_ids, path: Path, progress: bool) -> list[torch.Tensor]:
     """The context features of ``data``, read from ``path`` as far as it holds them and computed
     (:func:`compute_features`) for the rest.
@@ -116,11 +124,8 @@ def cached_features(target, data, layer_ids, path: Path, progress: bool) -> list
     fixed = {"layers": list(layer_ids), **target_fingerprint(target)}
     tensors: dict[str, torch.Tensor] = {}
     reused: list[torch.Tensor] = []
-    if path.is_file():
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as fh:
-            key = json.loads((fh.metadata() or {}).get("key", "{}"))
+    try:
+        key = _cache_key(path) if path.is_file() else {}
         n = key.get("n")
         if (
             {k: key.get(k) for k in fixed} == fixed
@@ -133,6 +138,8 @@ def cached_features(target, data, layer_ids, path: Path, progress: bool) -> list
             reused = _samples(tensors)
             if len(reused) != n:  # a damaged file: start again
                 tensors, reused = {}, []
+    except Exception:  # an unreadable cache is only lost work: compute the features again
+        tensors, reused = {}, []
     if len(reused) == len(data.sequences):
         return reused
     rest = TrainingData(data.sequences[len(reused) :], data.prompt_lengths[len(reused) :])
