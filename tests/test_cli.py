@@ -350,6 +350,11 @@ def test_compare_ar_text_names_the_baseline(capsys, tiny_pair_dirs):
     assert f"against AR in {other.split()[1]})" in speed
     (check,) = [line for line in err if line.startswith("lossless check against AR in float32: ")]
     assert "identical output" in check and "AR in float64 gives" in check
+    # every timed run's ms/token, and the shown ones are the medians
+    (timing,) = [line for line in err if line.startswith("each run timed 3 times")]
+    for name, shown in ms.items():
+        every = [float(x) for x in timing.split(name + " ")[1].split(";")[0].rstrip(")").split()]
+        assert len(every) == 3 and sorted(every)[1] == shown
 
 
 def test_compare_ar_on_cpu_adds_a_float32_baseline_for_bfloat16(capsys, tiny_pair_dirs):
@@ -387,8 +392,24 @@ def test_compare_ar_warms_up_every_run_before_timing(capsys, tiny_pair_dirs, mon
     warm = [("dflash", "torch.float32", 8, p), ("ar", "torch.float32", 8, p)]
     warm.append(("ar", "torch.float64", 8, p))
     timed = [(m, d, 20, p) for m, d, _, _ in warm]
-    assert calls == warm + timed
+    # then three timed repeats (the default), the order reversed on the second
+    assert calls == warm + timed + timed[::-1] + timed
     assert len(out["token_ids"]) == len(out["ar_float64"]["token_ids"]) == 20
+    assert out["repeats"] == 3
+    every = out["ms_per_token_runs"]
+    assert set(every) == {"method", "ar", "ar_float64"}
+    # each reported run is the median one of its repeats
+    assert all(len(ms) == 3 for ms in every.values())
+    for key, record in (("method", out), ("ar", out["ar"]), ("ar_float64", out["ar_float64"])):
+        assert record["stats"]["ms_per_token"] == sorted(every[key])[1]
+    # --repeats 2: the lower of the two middle runs, and the order alternates once
+    calls.clear()
+    argv = compare_ar_argv(tiny_pair_dirs, "--ar-dtypes", "float64", "--json", "--repeats", "2")
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert calls == warm + timed + timed[::-1]
+    assert out["repeats"] == 2
+    assert out["stats"]["ms_per_token"] == min(out["ms_per_token_runs"]["method"])
     # without --compare-ar nothing is timed against anything: no warm-up
     calls.clear()
     argv = compare_ar_argv(tiny_pair_dirs, "--json")
@@ -402,6 +423,8 @@ def test_compare_ar_warms_up_every_run_before_timing(capsys, tiny_pair_dirs, mon
     "extra, message",
     [
         (["--method", "ar", "--ar-dtypes", "float32"], "only applies with --compare-ar"),
+        (["--method", "dflash", "--repeats", "2"], "--repeats only applies with --compare-ar"),
+        (["--method", "dflash", "--compare-ar", "--repeats", "0"], "--repeats must be"),
         (["--method", "dflash", "--compare-ar", "--ar-dtypes", "int8"], "unknown dtype"),
         (["--method", "dflash", "--compare-ar", "--ar-dtypes", "float32,same"], "cannot be mixed"),
     ],

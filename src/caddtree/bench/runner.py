@@ -45,7 +45,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..checks import check_int
 from ..errors import InvalidInputError
@@ -65,9 +65,12 @@ from .results import (
     write_jsonl,
 )
 
+T = TypeVar("T")
+
 __all__ = [
     "BenchConfig",
     "DistInfo",
+    "alternating_order",
     "barrier",
     "generator_dtype",
     "init_distributed",
@@ -398,7 +401,7 @@ def run_bench(
     todo = [
         (it, spec)
         for j, it in enumerate(mine)
-        for spec in _method_order(config.methods, j)
+        for spec in alternating_order(config.methods, j)
         if (it[1], it[2], spec.label, float(it[0])) not in done
     ]
     part = rank_path(out, info.rank) if info.distributed else out
@@ -454,10 +457,11 @@ def run_bench(
     return _gather(out, info, list(done.values()))
 
 
-def _method_order(methods: Sequence[MethodSpec], item: int) -> list[MethodSpec]:
-    """The order the methods run in on the ``item``-th work item: as listed on even items,
-    reversed on odd ones, so that no method always runs first (or last) after another."""
-    return list(methods) if item % 2 == 0 else list(reversed(methods))
+def alternating_order(items: Sequence[T], k: int) -> list[T]:
+    """The order timed runs take the ``k``-th time round (a benchmark's ``k``-th work item, or
+    ``generate --compare-ar``'s ``k``-th repeat): as listed for even ``k``, reversed for odd
+    ``k``, so that no run always goes first (or last) after another."""
+    return list(items) if k % 2 == 0 else list(reversed(items))
 
 
 def _write_settled(

@@ -4,6 +4,7 @@ the speed-up over plain decoding and the lossless check (explaining a difference
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from ..checks import (
@@ -51,6 +52,13 @@ def _speed_line(s) -> str:
     return line
 
 
+def _median_run(runs: list):
+    """The run of ``runs`` (results of one timed run repeated) with the median ms/token, the
+    lower of the two middle ones for an even count, so that it is a run that happened."""
+    ms = statistics.median_low(r.stats.ms_per_token for r in runs)
+    return next(r for r in runs if r.stats.ms_per_token == ms)
+
+
 def generate(args: argparse.Namespace) -> int:
     """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
     import json
@@ -58,6 +66,7 @@ def generate(args: argparse.Namespace) -> int:
     import torch
 
     from ..api import SpeculativeGenerator
+    from ..bench.runner import alternating_order
     from ..devices import ar_baseline_dtypes, dtype_name
     from ..divergence import explain_divergence
     from ..streaming import IncrementalDecoder
@@ -89,6 +98,9 @@ def generate(args: argparse.Namespace) -> int:
         )
     if args.ar_dtypes is not None and not args.compare_ar:
         raise InvalidInputError("--ar-dtypes only applies with --compare-ar")
+    if args.repeats is not None and not args.compare_ar:
+        raise InvalidInputError("--repeats only applies with --compare-ar")
+    repeats = check_int("--repeats", 3 if args.repeats is None else args.repeats)
     ar_dtypes = args.ar_dtypes or "auto"
     if ar_dtypes not in ("auto", "same"):
         ar_dtypes = [d.strip() for d in ar_dtypes.split(",") if d.strip()]
@@ -145,19 +157,34 @@ def generate(args: argparse.Namespace) -> int:
         )
         for ar_gen in ar_gens:
             ar_gen.generate(args.prompt, method="ar", **warm)
-    result = gen.generate(
-        args.prompt,
-        method=args.method,
-        budget=args.budget,
-        max_budget=args.max_budget,
-        callback=stream,
-        **common,
-    )
-    # the timed AR runs, in the order of ar_gens (the same-dtype one first), each with its dtype
+
+    def timed_run(i: int, k: int):
+        """The ``k``-th timed run of the method (``i == 0``, streamed the first time) or of AR in
+        the dtype of ``ar_gens[i - 1]``."""
+        if i == 0:
+            return gen.generate(
+                args.prompt,
+                method=args.method,
+                budget=args.budget,
+                max_budget=args.max_budget,
+                callback=stream if k == 0 else None,
+                **common,
+            )
+        return ar_gens[i - 1].generate(args.prompt, method="ar", **common)
+
+    # With --compare-ar every run is timed `repeats` times, the order alternating from one repeat
+    # to the next (the method first, then last, ...), and each is reported by its median run.
+    runs: list[list] = [[] for _ in range(1 + len(ar_gens))]
+    for k in range(repeats if ar_gens else 1):
+        for i in alternating_order(range(len(runs)), k):
+            runs[i].append(timed_run(i, k))
+    result = _median_run(runs[0])
+    # the AR runs, in the order of ar_gens (the same-dtype one first), each with its dtype
     ar_runs = [
-        (ar_gen.verifier.dtype, ar_gen.generate(args.prompt, method="ar", **common))
-        for ar_gen in ar_gens
+        (ar_gen.verifier.dtype, _median_run(ar_timed))
+        for ar_gen, ar_timed in zip(ar_gens, runs[1:])
     ]
+    every_ms = [[r.stats.ms_per_token for r in timed] for timed in runs]
     baseline = ar_runs[0][1] if ar_runs else None  # AR in the run's dtype: the lossless reference
     divergence = None
     if baseline is not None and args.temperature == 0:
@@ -187,6 +214,11 @@ def generate(args: argparse.Namespace) -> int:
                     record["same_tokens_as_method"] = run.token_ids == result.token_ids
                 out[ar_key(i)] = record
             out["baseline"] = ar_key(fastest)
+            out["repeats"] = len(every_ms[0])
+            out["ms_per_token_runs"] = {
+                key: every_ms[i]
+                for i, key in enumerate(["method", *map(ar_key, range(len(ar_runs)))])
+            }
             out["speedup_over_ar"] = (
                 ar_runs[fastest][1].stats.ms_per_token / result.stats.ms_per_token
             )
@@ -218,6 +250,19 @@ def generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(f"  {_speed_line(s)}", file=sys.stderr)
+    if baseline is not None and len(every_ms[0]) > 1:
+        names = [f"{result.method} {dtype_name(gen.verifier.dtype)}"]
+        names += [f"ar {dtype_name(dtype)}" for dtype, _ in ar_runs]
+        print(
+            f"each run timed {len(every_ms[0])} times in alternating order and shown by its median "
+            "(ms/token: "
+            + "; ".join(
+                f"{name} " + " ".join(f"{ms:.1f}" for ms in timed)
+                for name, timed in zip(names, every_ms)
+            )
+            + ")",
+            file=sys.stderr,
+        )
     if baseline is not None:
         same = "identical output" if baseline.token_ids == result.token_ids else "outputs differ"
         if args.temperature > 0:
@@ -274,8 +319,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--compare-ar",
         action="store_true",
         help="also run plain AR decoding and print the speed-up (each run warmed up untimed "
-        "first); the speed-up is over the fastest AR timed (see --ar-dtypes), the identical-output "
+        "first, then timed --repeats times); the speed-up is over the fastest AR timed (see --ar-dtypes), the identical-output "
         "check against AR in the run's own dtype",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        metavar="N",
+        help="with --compare-ar: time the method and each AR run N times, alternating their "
+        "order, and report each by its median run (default 3)",
     )
     p.add_argument(
         "--ar-dtypes",
