@@ -4,11 +4,20 @@ sampling, the quality and near-duplicate filter, and clear errors for bad prompt
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from caddtree import CaddtreeError
-from caddtree.train.magpie import filter_queries, generate_queries, pre_query_ids, read_prompt_file
+from caddtree.train.magpie import (
+    PERSONAS,
+    Persona,
+    filter_queries,
+    generate_queries,
+    persona_of_batch,
+    pre_query_ids,
+    read_prompt_file,
+)
 from caddtree.train.prompts import OverlapIndex, build_training_prompts
 from tiny_models import MASK_TOKEN_ID, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
@@ -41,6 +50,35 @@ def test_generation_resumes_to_the_same_queries(tok, tmp_path):
     assert resumed == straight
     other_seed = generate_queries(target, tok, 12, tmp_path / "c.jsonl", seed=4, **kwargs)
     assert [r["query"] for r in other_seed] != [r["query"] for r in straight]
+
+
+def test_a_persona_that_joins_later_changes_no_earlier_batch(tok, tmp_path):
+    personas = [Persona("a", None), Persona("b", "be brief"), Persona("c", "be kind", 3)]
+    names = [persona_of_batch(personas, b).name for b in range(9)]
+    assert names == ["a", "b", "a", "a", "b", "c", "a", "b", "c"]
+    # so a query file made before "c" joined is a prefix of what a run with "c" makes
+    target = qwen3_target()
+    kwargs = dict(batch_size=2, max_new_tokens=6, stop_token_ids=[1], progress=False, seed=1)
+    before = generate_queries(target, tok, 6, tmp_path / "q.jsonl", personas=personas[:2], **kwargs)
+    grown = generate_queries(target, tok, 12, tmp_path / "q.jsonl", personas=personas, **kwargs)
+    fresh = generate_queries(target, tok, 12, tmp_path / "f.jsonl", personas=personas, **kwargs)
+    assert grown[:6] == before and grown == fresh
+    assert [r["persona"] for r in grown[::2]] == names[:6]
+    with pytest.raises(CaddtreeError, match="no persona is in the rotation at batch 0"):
+        persona_of_batch([Persona("late", None, 5)], 0)
+
+
+def test_the_committed_magpie_queries_keep_their_personas():
+    # the built-in drafter's data was sampled with the first six personas, before the others
+    # joined at batch 94: the rotation must still give each of its batches the same persona
+    path = Path(__file__).resolve().parents[1] / "training-data/smollm2-135m-instruct"
+    records = [json.loads(line) for line in (path / "magpie_raw.jsonl").open()]
+    assert max(r["batch"] for r in records) == 93
+    assert all(persona_of_batch(PERSONAS, r["batch"]).name == r["persona"] for r in records)
+    assert {r["persona"] for r in records} == {p.name for p in PERSONAS if p.since_batch == 0}
+    # and every persona takes its turn once all have joined
+    later = {persona_of_batch(PERSONAS, b).name for b in range(94, 94 + len(PERSONAS))}
+    assert later == {p.name for p in PERSONAS}
 
 
 def rec(query, finished=True, persona="none"):

@@ -3,7 +3,7 @@
 Magpie: an instruction-tuned target, given only its chat template up to the start of a user turn
 (the *pre-query template*), writes a plausible user query itself. Sampled at temperature 1 with a
 few system prompts that steer it toward code, math, explanation, writing and everyday questions
-(and with none), it yields as many distinct prompts as one cares to generate, offline and in the
+(and with none; later also role-play, extraction, reasoning, STEM and humanities), it yields as many distinct prompts as one cares to generate, offline and in the
 target's own distribution. Queries are then filtered (:func:`filter_queries`): unfinished,
 degenerate (repetitive, too short or too long, leaking template markers) and near-duplicate
 queries (word 3-gram Jaccard similarity) are dropped. The caller also drops every query that
@@ -33,26 +33,97 @@ from ..files import atomic_write_text
 __all__ = [
     "PERSONAS",
     "MagpieFilterReport",
+    "Persona",
     "filter_queries",
     "generate_queries",
+    "persona_of_batch",
     "pre_query_ids",
     "read_prompt_file",
 ]
 
-# System prompts that steer the queries (None: the template's own default, or no system turn).
-PERSONAS: dict[str, str | None] = {
-    "none": None,
-    "code": "You are an expert Python programmer. Users ask you to write, fix, explain and test "
-    "code, and you answer with working code and a short explanation.",
-    "math": "You are a patient math tutor. Users ask you arithmetic, algebra and word problems, "
-    "and you solve them step by step.",
-    "explain": "You are a knowledgeable teacher. Users ask you to explain ideas from science, "
-    "history, technology and everyday life.",
-    "writing": "You are a writing assistant. Users ask you to write, rewrite, summarise or "
-    "continue emails, stories, essays, poems and posts.",
-    "everyday": "You are a friendly assistant. Users ask you everyday questions about cooking, "
-    "travel, health, money, hobbies and advice.",
-}
+
+@dataclass(frozen=True)
+class Persona:
+    """A system prompt that steers Magpie queries (``system=None``: the template's own default,
+    or no system turn), in the rotation from batch ``since_batch`` on."""
+
+    name: str
+    system: str | None
+    since_batch: int = 0
+
+
+# The rotation of system prompts. A persona that joins later (``since_batch`` > 0) changes no
+# batch before it, so a query file made before it joined grows to what a fresh run would make.
+PERSONAS: tuple[Persona, ...] = (
+    Persona("none", None),
+    Persona(
+        "code",
+        "You are an expert Python programmer. Users ask you to write, fix, explain and test "
+        "code, and you answer with working code and a short explanation.",
+    ),
+    Persona(
+        "math",
+        "You are a patient math tutor. Users ask you arithmetic, algebra and word problems, "
+        "and you solve them step by step.",
+    ),
+    Persona(
+        "explain",
+        "You are a knowledgeable teacher. Users ask you to explain ideas from science, "
+        "history, technology and everyday life.",
+    ),
+    Persona(
+        "writing",
+        "You are a writing assistant. Users ask you to write, rewrite, summarise or "
+        "continue emails, stories, essays, poems and posts.",
+    ),
+    Persona(
+        "everyday",
+        "You are a friendly assistant. Users ask you everyday questions about cooking, "
+        "travel, health, money, hobbies and advice.",
+    ),
+    # from batch 94 on (after the 12,032 queries of the built-in drafter's first data), the kinds
+    # of request MT-Bench also asks for
+    Persona(
+        "roleplay",
+        "You are an actor who stays in character. Users ask you to play someone, a famous "
+        "person, a job or a character from a story, and to answer as that person would.",
+        since_batch=94,
+    ),
+    Persona(
+        "extraction",
+        "You are a careful data assistant. Users give you a short text, list or table and ask "
+        "you to pull out, classify, count or reformat what is in it, often as JSON.",
+        since_batch=94,
+    ),
+    Persona(
+        "reasoning",
+        "You are a logical thinker. Users give you puzzles, riddles and questions about order, "
+        "dates, relations and cause and effect, and you reason them out step by step.",
+        since_batch=94,
+    ),
+    Persona(
+        "stem",
+        "You are a scientist and engineer. Users ask you about physics, chemistry, biology, "
+        "engineering and computing, from homework problems to designs.",
+        since_batch=94,
+    ),
+    Persona(
+        "humanities",
+        "You are a humanities scholar. Users ask you about history, philosophy, literature, "
+        "art, economics and society, and for essays and arguments about them.",
+        since_batch=94,
+    ),
+)
+
+
+def persona_of_batch(personas: Sequence[Persona], batch: int) -> Persona:
+    """The persona of Magpie batch ``batch``: the personas in the rotation by then (``since_batch``
+    at most ``batch``), taken in turn (``batch`` modulo their number)."""
+    active = [p for p in personas if p.since_batch <= batch]
+    if not active:
+        raise InvalidInputError(f"no persona is in the rotation at batch {batch}")
+    return active[batch % len(active)]
+
 
 _SENTINEL = "\x00MAGPIE-QUERY\x00"
 
@@ -93,7 +164,7 @@ def generate_queries(
     path: str | os.PathLike[str],
     *,
     seed: int = 0,
-    personas: dict[str, str | None] | None = None,
+    personas: Sequence[Persona] | dict[str, str | None] | None = None,
     batch_size: int = 128,
     max_new_tokens: int = 64,
     stop_token_ids: Sequence[int] = (),
@@ -101,7 +172,9 @@ def generate_queries(
 ) -> list[dict[str, Any]]:
     """Sample at least ``count`` raw user queries from ``target`` (resumable through ``path``).
 
-    Batch ``b`` uses persona ``b % len(personas)`` and the random seed ``(seed, b)``. Each record
+    Batch ``b`` uses :func:`persona_of_batch` (``personas``: :data:`PERSONAS` by default, or a
+    dict of name to system prompt, all in the rotation from batch 0) and the random seed
+    ``(seed, b)``. Each record
     is ``{"batch", "persona", "query", "finished"}``; ``finished`` is whether the query ended with
     a stop token within ``max_new_tokens``.
     """
@@ -109,13 +182,14 @@ def generate_queries(
     from tqdm.auto import tqdm
 
     personas = PERSONAS if personas is None else personas
+    if isinstance(personas, dict):
+        personas = [Persona(name, system) for name, system in personas.items()]
     if not personas:
         raise InvalidInputError("need at least one persona")
     path = Path(path)
     records = _read_raw(path)
     done_batches = {r["batch"] for r in records}
     n_batches = -(-count // batch_size)
-    names = list(personas)
     stops = {int(t) for t in stop_token_ids}
     device = target.get_input_embeddings().weight.device
     todo = [b for b in range(n_batches) if b not in done_batches]
@@ -127,8 +201,8 @@ def generate_queries(
         disable=not progress,
     )
     for b in todo:
-        name = names[b % len(names)]
-        prefix = torch.tensor([pre_query_ids(tokenizer, personas[name])], device=device)
+        persona = persona_of_batch(personas, b)
+        prefix = torch.tensor([pre_query_ids(tokenizer, persona.system)], device=device)
         ids = prefix.repeat(batch_size, 1)
         torch.manual_seed(seed * 1_000_003 + b)
         with torch.inference_mode():
@@ -148,7 +222,12 @@ def generate_queries(
             cut = next((j for j, t in enumerate(row) if t in stops), None)
             text = tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
             records.append(
-                {"batch": b, "persona": name, "query": text.strip(), "finished": cut is not None}
+                {
+                    "batch": b,
+                    "persona": persona.name,
+                    "query": text.strip(),
+                    "finished": cut is not None,
+                }
             )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
         bar.update(batch_size)
