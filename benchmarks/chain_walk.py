@@ -1,7 +1,7 @@
-"""Does the trainer's chain walk predict what decoding measures? Walk prompts' training samples.
+"""Do the trainer's walks predict what decoding measures? Walk prompts' training samples.
 
     python benchmarks/chain_walk.py DRAFTER PROMPTS.jsonl [--data DATA] [--max-new-tokens 64]
-                                    [--dtype float32]
+                                    [--dtype float32] [--budgets 16]
 
 For each prompt of ``PROMPTS.jsonl`` (``{"prompt": ...}`` per line, e.g.
 ``training-data/smollm2-135m-instruct/unseen40.jsonl``), finds its sample in ``--data`` (the
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", help="the drafter's dtype for the walk")
+    ap.add_argument("--budgets", type=int, nargs="*", default=[16], help="DDTree node budgets")
     args = ap.parse_args()
 
     target_dir = default_target_dir()
@@ -65,13 +66,15 @@ def main() -> None:
     features = compute_features(target, samples, drafter.target_layer_ids, progress=False)
     config = TrainConfig(block_size=drafter.block_size, precision="float32")
     loss = AnchorBlockLoss(drafter, target, features, samples, config, torch.device("cpu"))
-    rounds = [c for i in range(len(found)) for c in loss.chain_walk(i)]
-    with_prefill = (sum(rounds) + len(found)) / len(rounds)
-    print(
-        f"{args.drafter}: {len(found)} samples, {len(rounds)} rounds; tokens per round "
-        f"{with_prefill:.3f} with the prefill's token (bench's pooled tau), "
-        f"{sum(rounds) / len(rounds):.3f} without (the engine's tau)"
-    )
+    for budget in [None, *args.budgets]:
+        rounds = [c for i in range(len(found)) for c in loss.walk(i, budget)]
+        with_prefill = (sum(rounds) + len(found)) / len(rounds)
+        name = "dflash" if budget is None else f"ddtree-{budget}"
+        print(
+            f"{args.drafter} {name}: {len(found)} samples, {len(rounds)} rounds; tokens per "
+            f"round {with_prefill:.3f} with the prefill's token (bench's pooled tau), "
+            f"{sum(rounds) / len(rounds):.3f} without (the engine's tau)"
+        )
 
 
 if __name__ == "__main__":

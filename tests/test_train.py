@@ -113,27 +113,32 @@ def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path)
     dd = assert_ddtree_equals_ar(target, drafter, data, 0)
     assert dd.stats.tau > 1.0  # the trained drafter gets drafts accepted
 
-    # the held-out chain walk is what chain decoding does: round by round, the tokens it commits
-    assert all(e["eval_walk_tau"] >= 1.0 for e in log if "eval_loss" in e)
+    # the held-out walks are what decoding does: round by round, the tokens it commits, with the
+    # chain (DFlash) and with DDTree trees
+    evals = [e for e in log if "eval_loss" in e]
+    assert all(e["eval_tree_tau"] >= 1.0 and e["eval_walk_tau"] >= 1.0 for e in evals)
     feats = compute_features(target, data, drafter.target_layer_ids, progress=False)
     walker = AnchorBlockLoss(drafter, target, feats, data, config(), torch.device("cpu"))
-    accepted_somewhere = False
-    for i in range(6):
-        chain = chain_decode_sample(target, drafter, data, i)
-        walk = walker.chain_walk(i, chunk=5)
-        assert walk == [r.committed for r in chain.stats.per_round], i
-        accepted_somewhere |= max(walk) > 1
-    assert accepted_somewhere  # the comparison covers accepted drafts, not only bonus tokens
+    for method, budget in (("dflash", None), ("ddtree", 3), ("ddtree", 12)):
+        accepted_somewhere = False
+        for i in range(6):
+            decoded = decode_sample(target, drafter, data, i, method, budget)
+            walk = walker.walk(i, budget, chunk=5)
+            assert walk == [r.committed for r in decoded.stats.per_round], (method, budget, i)
+            accepted_somewhere |= max(walk) > 1
+        assert accepted_somewhere  # the comparison covers accepted drafts, not only bonus tokens
+    assert walker.chain_walk(0) == walker.walk(0, None)
 
 
-def chain_decode_sample(target, drafter, data, i: int):
-    """Decode sample ``i``'s prompt with the drafter's chain (DFlash) for as many tokens as its
-    response has; the result must be that response (the target's own greedy output)."""
+def decode_sample(target, drafter, data, i: int, method: str = "dflash", budget=None):
+    """Decode sample ``i``'s prompt with ``method`` (the drafter's chain, or DDTree of ``budget``
+    nodes) for as many tokens as its response has; the result must be that response (the
+    target's own greedy output)."""
     seq, plen = data.sequences[i], data.prompt_lengths[i]
     result = decode(
         TreeVerifier(target, drafter.target_layer_ids),
         seq[:plen].tolist(),
-        make_policy("dflash"),
+        make_policy(method, budget=budget),
         proposer=DFlashProposer(drafter, target),
         max_new_tokens=len(seq) - plen,
     )
@@ -320,7 +325,7 @@ def test_memorised_samples_decode_in_whole_blocks(target, data, tmp_path):
     train_drafter(target, few, tmp_path, cfg, resume=False, progress=False)
     drafter = DFlashDraftModel.from_pretrained(tmp_path / "checkpoint", dtype=torch.float64)
     for i in range(len(few.sequences)):
-        result = chain_decode_sample(target, drafter, few, i)
+        result = decode_sample(target, drafter, few, i)
         full_rounds = result.stats.per_round[:-1]  # the last round is cut by max_new_tokens
         tau = sum(r.committed for r in full_rounds) / len(full_rounds)
         assert tau >= 0.8 * cfg.block_size, tau

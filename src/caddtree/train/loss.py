@@ -13,11 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..models.dflash import draft_lm_head
 
-__all__ = ["WALK_SAMPLES", "AnchorBlockLoss", "build_training_batch", "dpace_weights", "evaluate"]
+__all__ = [
+    "WALK_BUDGET",
+    "WALK_SAMPLES",
+    "AnchorBlockLoss",
+    "build_training_batch",
+    "dpace_weights",
+    "evaluate",
+]
 
 
 def build_training_batch(
@@ -110,26 +118,18 @@ class AnchorBlockLoss:
             -torch.arange(B - 1, dtype=torch.float32) / config.gamma
         ).to(device)
 
-    def batch_loss(
-        self,
-        sample_ids: Sequence[int],
-        generator: torch.Generator | None,
-        anchors: Sequence[torch.Tensor] | None = None,
-    ):
-        """Weighted cross-entropy of ``anchors_per_sample`` random blocks of each sample (or the
-        blocks at the given ``anchors``, one sorted tensor per sample), all in one drafter
-        forward; returns the loss and the acceptance statistics of the batch (``runs``: each
-        block's chain acceptance, [samples, blocks])."""
+    def _autocast(self):
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bfloat16"
+        )
+
+    def _block_hidden(self, sample_ids: Sequence[int], anchors: Sequence[torch.Tensor]):
+        """One drafter forward over the blocks at ``anchors`` (one sorted tensor per sample):
+        the hidden states of block positions ``1 .. B-1`` [b, M, B-1, H], their labels in draft
+        ids [b, M, B-1] (``-100`` past the sequence or outside the draft vocabulary), and where
+        the labels are inside the sequence."""
         cfg, dev = self.config, self.device
         seqs = [self.data.sequences[i] for i in sample_ids]
-        if anchors is None:
-            anchors = []
-            for i, tokens in zip(sample_ids, seqs):
-                P, T = self.data.prompt_lengths[i], tokens.shape[0]
-                candidates = torch.arange(P, T - 1)
-                M = min(cfg.anchors_per_sample, candidates.numel())
-                perm = torch.randperm(candidates.numel(), generator=generator)[:M]
-                anchors.append(candidates[perm].sort().values)
         dtype = self.drafter.fc.weight.dtype
         batch = build_training_batch(
             seqs, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
@@ -144,9 +144,7 @@ class AnchorBlockLoss:
         in_range = labels >= 0
         if self.label_map is not None:
             labels = torch.where(in_range, self.label_map[labels.clamp(min=0)], labels)
-        valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
-        amp = cfg.precision == "bfloat16"
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+        with self._autocast():
             noise = self.embed(batch["block_tokens"].to(dev)).to(dtype)
             hidden = self.drafter(
                 noise_embedding=noise,
@@ -154,9 +152,32 @@ class AnchorBlockLoss:
                 position_ids=batch["position_ids"].to(dev),
                 attention_mask=batch["attention_mask"].to(dev),
             )
-            b, M, B = labels.shape[0], labels.shape[1], cfg.block_size
-            h = hidden.view(b, M, B, -1)[:, :, 1:]  # [b, M, B-1, H]
-            logits = self.lm_head(h[valid].to(self.lm_head.weight.dtype)).float()
+        b, M, B = labels.shape[0], labels.shape[1], cfg.block_size
+        return hidden.view(b, M, B, -1)[:, :, 1:], labels, in_range
+
+    def batch_loss(
+        self,
+        sample_ids: Sequence[int],
+        generator: torch.Generator | None,
+        anchors: Sequence[torch.Tensor] | None = None,
+    ):
+        """Weighted cross-entropy of ``anchors_per_sample`` random blocks of each sample (or the
+        blocks at the given ``anchors``, one sorted tensor per sample), all in one drafter
+        forward; returns the loss and the acceptance statistics of the batch."""
+        cfg = self.config
+        if anchors is None:
+            anchors = []
+            for i in sample_ids:
+                P, T = self.data.prompt_lengths[i], self.data.sequences[i].shape[0]
+                candidates = torch.arange(P, T - 1)
+                M = min(cfg.anchors_per_sample, candidates.numel())
+                perm = torch.randperm(candidates.numel(), generator=generator)[:M]
+                anchors.append(candidates[perm].sort().values)
+        hidden, labels, in_range = self._block_hidden(sample_ids, anchors)
+        valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
+        b, M = labels.shape[0], labels.shape[1]
+        with self._autocast():
+            logits = self.lm_head(hidden[valid].to(self.lm_head.weight.dtype)).float()
         ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")
         if cfg.loss_weighting == "dpace":
             w = dpace_weights(ce.detach(), valid, cfg.dpace_alpha)[valid]
@@ -173,43 +194,67 @@ class AnchorBlockLoss:
             stats = {
                 "top1": correct[..., 0][blocks].float().mean().item(),
                 "accept": run.sum(-1)[blocks].mean().item(),
-                "runs": run.sum(-1).long().cpu(),
             }
         return loss, stats
 
     @torch.no_grad()
-    def chain_walk(self, sample_id: int, chunk: int = 64) -> list[int]:
-        """The tokens each round of chain decoding (DFlash) would commit on this sample's
-        response, from teacher-forced blocks: the first anchor is the response's first token,
-        a round accepts the block's leading run of correct predictions and adds the target's
-        bonus token, and the next anchor is the last token committed. As decoding does, it
-        spends more rounds where acceptance is low (blocks placed uniformly at random do not)."""
+    def walk(self, sample_id: int, budget: int | None = None, chunk: int = 64) -> list[int]:
+        """The tokens each round of decoding would commit on this sample's response, from
+        teacher-forced blocks: DFlash's chain (``budget=None``) or the DDTree of ``budget``
+        nodes, built from each block's log-probabilities exactly as decoding builds it. The first
+        anchor is the response's first token; a round accepts the deepest tree node on the
+        response's path and adds the target's bonus token, and the next anchor is the last token
+        committed. As decoding does, it spends more rounds where acceptance is low (blocks
+        placed uniformly at random do not). A token outside the draft vocabulary ends a path."""
+        from ..tree import build_chain, build_ddtree
+
         tokens = self.data.sequences[sample_id]
         P, T = self.data.prompt_lengths[sample_id], int(tokens.shape[0])
         every = torch.arange(P, T - 1)
-        runs = torch.cat(
-            [
-                self.batch_loss([sample_id], None, [every[k : k + chunk]])[1]["runs"][0]
-                for k in range(0, every.numel(), chunk)
-            ]
-        ).tolist()
+        parts, labels = [], []
+        for k in range(0, every.numel(), chunk):
+            hidden, block_labels, _ = self._block_hidden([sample_id], [every[k : k + chunk]])
+            with self._autocast():
+                logits = self.lm_head(hidden[0].to(self.lm_head.weight.dtype))
+            parts.append(torch.log_softmax(logits.double(), dim=-1).cpu().numpy())
+            labels.append(block_labels[0].cpu())
+        log_probs = np.concatenate(parts)  # [anchors, B-1, draft vocabulary]
+        paths = torch.cat(labels).tolist()
         committed, at = [], 0  # ``at``: the anchor's index in ``every``
-        while at < len(runs):
-            committed.append(min(runs[at] + 1, len(runs) - at))
-            at += runs[at] + 1
+        while at < len(paths):
+            tree = (
+                build_chain(log_probs[at])
+                if budget is None
+                else build_ddtree(log_probs[at], budget)
+            )
+            node, accepted = -1, 0
+            for label in paths[at]:
+                node = tree.child_with_token(node, label) if label >= 0 else -1
+                if node < 0:
+                    break
+                accepted += 1
+            committed.append(min(accepted + 1, len(paths) - at))
+            at += accepted + 1
         return committed
 
+    def chain_walk(self, sample_id: int, chunk: int = 64) -> list[int]:
+        """:meth:`walk` with DFlash's chain."""
+        return self.walk(sample_id, None, chunk)
 
-# how many held-out samples the chain walk of each evaluation decodes (the first in split order)
+
+# how many held-out samples the walks of each evaluation decode (the first in split order), and
+# the DDTree budget of the tree walk
 WALK_SAMPLES = 32
+WALK_BUDGET = 16
 
 
 @torch.no_grad()
 def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict[str, float]:
     """Held-out figures: the loss, position 1's top-1 accuracy and the mean chain acceptance of
-    random blocks (``eval_loss``, ``eval_top1``, ``eval_accept``), and ``eval_walk_tau``, the
-    tokens per round of chain decoding on the first :data:`WALK_SAMPLES` held-out responses
-    (:meth:`AnchorBlockLoss.chain_walk`, pooled), which is what decoding measures as tau."""
+    random blocks (``eval_loss``, ``eval_top1``, ``eval_accept``), and the tokens per round of
+    decoding the first :data:`WALK_SAMPLES` held-out responses (:meth:`AnchorBlockLoss.walk`,
+    pooled), which is what decoding measures as tau: with DFlash's chain (``eval_walk_tau``)
+    and with a DDTree of :data:`WALK_BUDGET` nodes (``eval_tree_tau``)."""
     loss.drafter.eval()
     g = torch.Generator().manual_seed(seed + 17)
     losses, top1, accept = [], [], []
@@ -219,7 +264,9 @@ def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict[
         losses.append(value.item())
         top1.append(stats["top1"])
         accept.append(stats["accept"])
-    rounds = [c for i in eval_ids[:WALK_SAMPLES] for c in loss.chain_walk(i)]
+    walked = eval_ids[:WALK_SAMPLES]
+    rounds = [c for i in walked for c in loss.chain_walk(i)]
+    tree_rounds = [c for i in walked for c in loss.walk(i, WALK_BUDGET)]
     loss.drafter.train()
     n = len(losses)
     return {
@@ -227,4 +274,5 @@ def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict[
         "eval_top1": sum(top1) / n,
         "eval_accept": sum(accept) / n,
         "eval_walk_tau": sum(rounds) / len(rounds),
+        "eval_tree_tau": sum(tree_rounds) / len(tree_rounds),
     }
