@@ -469,7 +469,7 @@ def test_compare_ar_runs_with_the_same_settings(capsys, generate_argv, monkeypat
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "seed")
     keys += ("chat", "chat_template_kwargs")
     settings = [{k: c[k] for k in keys} for c in calls]
-    assert len(settings) == 4  # warm-up and timed, the method and AR
+    assert len(settings) == 8  # the method and AR, each warmed up and then timed 3 times
     assert all(s == settings[0] for s in settings)
     assert settings[0]["repetition_penalty"] == 1.3 and settings[0]["stop"] == ["q"]
     assert settings[0]["chat_template_kwargs"] == {"x": 1}
