@@ -66,8 +66,10 @@ def main() -> None:
     features = compute_features(target, samples, drafter.target_layer_ids, progress=False)
     config = TrainConfig(block_size=drafter.block_size, precision="float32")
     loss = AnchorBlockLoss(drafter, target, features, samples, config, torch.device("cpu"))
-    for budget in [None, *args.budgets]:
-        rounds = [c for i in range(len(found)) for c in loss.walk(i, budget)]
+    budgets = [None, *args.budgets]
+    per_sample = [loss.walks(i, budgets) for i in range(len(found))]  # one drafter pass each
+    for j, budget in enumerate(budgets):
+        rounds = [c for walks in per_sample for c in walks[j]]
         with_prefill = (sum(rounds) + len(found)) / len(rounds)
         name = "dflash" if budget is None else f"ddtree-{budget}"
         print(

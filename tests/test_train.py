@@ -128,6 +128,8 @@ def test_training_lowers_the_loss_and_decodes_losslessly(target, data, tmp_path)
             accepted_somewhere |= max(walk) > 1
         assert accepted_somewhere  # the comparison covers accepted drafts, not only bonus tokens
     assert walker.chain_walk(0) == walker.walk(0, None)
+    # one drafter pass serves several budgets, as the trainer's evaluation uses it
+    assert walker.walks(1, [None, 3, 12]) == [walker.walk(1, b) for b in (None, 3, 12)]
 
 
 def decode_sample(target, drafter, data, i: int, method: str = "dflash", budget=None):

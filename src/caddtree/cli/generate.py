@@ -319,8 +319,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--compare-ar",
         action="store_true",
         help="also run plain AR decoding and print the speed-up (each run warmed up untimed "
-        "first, then timed --repeats times); the speed-up is over the fastest AR timed (see --ar-dtypes), the identical-output "
-        "check against AR in the run's own dtype",
+        "first, then timed --repeats times); the speed-up is over the fastest AR timed (see "
+        "--ar-dtypes), the identical-output check against AR in the run's own dtype",
     )
     p.add_argument(
         "--repeats",

@@ -198,14 +198,17 @@ class AnchorBlockLoss:
         return loss, stats
 
     @torch.no_grad()
-    def walk(self, sample_id: int, budget: int | None = None, chunk: int = 64) -> list[int]:
-        """The tokens each round of decoding would commit on this sample's response, from
-        teacher-forced blocks: DFlash's chain (``budget=None``) or the DDTree of ``budget``
-        nodes, built from each block's log-probabilities exactly as decoding builds it. The first
-        anchor is the response's first token; a round accepts the deepest tree node on the
-        response's path and adds the target's bonus token, and the next anchor is the last token
-        committed. As decoding does, it spends more rounds where acceptance is low (blocks
-        placed uniformly at random do not). A token outside the draft vocabulary ends a path."""
+    def walks(
+        self, sample_id: int, budgets: Sequence[int | None], chunk: int = 64
+    ) -> list[list[int]]:
+        """The tokens each round of decoding would commit on this sample's response, for each of
+        ``budgets``, from teacher-forced blocks (one drafter pass serves them all): DFlash's
+        chain (``None``) or the DDTree of that many nodes, built from each block's
+        log-probabilities exactly as decoding builds it. The first anchor is the response's first
+        token; a round accepts the deepest tree node on the response's path and adds the target's
+        bonus token, and the next anchor is the last token committed. As decoding does, it spends
+        more rounds where acceptance is low (blocks placed uniformly at random do not). A token
+        outside the draft vocabulary ends a path."""
         from ..tree import build_chain, build_ddtree
 
         tokens = self.data.sequences[sample_id]
@@ -220,22 +223,29 @@ class AnchorBlockLoss:
             labels.append(block_labels[0].cpu())
         log_probs = np.concatenate(parts)  # [anchors, B-1, draft vocabulary]
         paths = torch.cat(labels).tolist()
-        committed, at = [], 0  # ``at``: the anchor's index in ``every``
-        while at < len(paths):
-            tree = (
-                build_chain(log_probs[at])
-                if budget is None
-                else build_ddtree(log_probs[at], budget)
-            )
-            node, accepted = -1, 0
-            for label in paths[at]:
-                node = tree.child_with_token(node, label) if label >= 0 else -1
-                if node < 0:
-                    break
-                accepted += 1
-            committed.append(min(accepted + 1, len(paths) - at))
-            at += accepted + 1
-        return committed
+        out = []
+        for budget in budgets:
+            committed, at = [], 0  # ``at``: the anchor's index in ``every``
+            while at < len(paths):
+                tree = (
+                    build_chain(log_probs[at])
+                    if budget is None
+                    else build_ddtree(log_probs[at], budget)
+                )
+                node, accepted = -1, 0
+                for label in paths[at]:
+                    node = tree.child_with_token(node, label) if label >= 0 else -1
+                    if node < 0:
+                        break
+                    accepted += 1
+                committed.append(min(accepted + 1, len(paths) - at))
+                at += accepted + 1
+            out.append(committed)
+        return out
+
+    def walk(self, sample_id: int, budget: int | None = None, chunk: int = 64) -> list[int]:
+        """:meth:`walks` with one budget (``None``: DFlash's chain)."""
+        return self.walks(sample_id, [budget], chunk)[0]
 
     def chain_walk(self, sample_id: int, chunk: int = 64) -> list[int]:
         """:meth:`walk` with DFlash's chain."""
@@ -252,7 +262,7 @@ WALK_BUDGET = 16
 def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict[str, float]:
     """Held-out figures: the loss, position 1's top-1 accuracy and the mean chain acceptance of
     random blocks (``eval_loss``, ``eval_top1``, ``eval_accept``), and the tokens per round of
-    decoding the first :data:`WALK_SAMPLES` held-out responses (:meth:`AnchorBlockLoss.walk`,
+    decoding the first :data:`WALK_SAMPLES` held-out responses (:meth:`AnchorBlockLoss.walks`,
     pooled), which is what decoding measures as tau: with DFlash's chain (``eval_walk_tau``)
     and with a DDTree of :data:`WALK_BUDGET` nodes (``eval_tree_tau``)."""
     loss.drafter.eval()
@@ -264,9 +274,11 @@ def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict[
         losses.append(value.item())
         top1.append(stats["top1"])
         accept.append(stats["accept"])
-    walked = eval_ids[:WALK_SAMPLES]
-    rounds = [c for i in walked for c in loss.chain_walk(i)]
-    tree_rounds = [c for i in walked for c in loss.walk(i, WALK_BUDGET)]
+    rounds, tree_rounds = [], []
+    for i in eval_ids[:WALK_SAMPLES]:
+        chain, tree = loss.walks(i, [None, WALK_BUDGET])
+        rounds += chain
+        tree_rounds += tree
     loss.drafter.train()
     n = len(losses)
     return {

@@ -3,8 +3,9 @@
 Magpie: an instruction-tuned target, given only its chat template up to the start of a user turn
 (the *pre-query template*), writes a plausible user query itself. Sampled at temperature 1 with a
 few system prompts that steer it toward code, math, explanation, writing and everyday questions
-(and with none; later also role-play, extraction, reasoning, STEM and humanities), it yields as many distinct prompts as one cares to generate, offline and in the
-target's own distribution. Queries are then filtered (:func:`filter_queries`): unfinished,
+(and with none; later also role-play, extraction, reasoning, STEM and humanities), it yields
+as many distinct prompts as one cares to generate, offline and in the target's own
+distribution. Queries are then filtered (:func:`filter_queries`): unfinished,
 degenerate (repetitive, too short or too long, leaking template markers) and near-duplicate
 queries (word 3-gram Jaccard similarity) are dropped. The caller also drops every query that
 overlaps a benchmark prompt (:class:`caddtree.train.prompts.OverlapIndex`).
