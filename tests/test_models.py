@@ -371,6 +371,31 @@ def test_commit_rejects_a_non_path(qwen3):
     assert verifier.context_length == PROMPT_LENGTH
 
 
+@pytest.mark.parametrize("reserve", [None, 256], ids=["dynamic", "reserved"])
+def test_truncate_leaves_the_cache_of_the_shorter_context(target, reserve):
+    """The profile measures each context length by truncating the longest one's cache."""
+    model, attn = target
+    tol = TOL[attn]
+    verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
+    verifier.reset(reserve=reserve)
+    prompt = prompt_ids(4)
+    verifier.prefill(prompt)
+    verifier.truncate(3)
+    assert verifier.context_length == 3
+    tree, bonus = random_tree(5), 9
+    logits, _ = verifier.verify(bonus, tree)
+    for i in range(len(tree) + 1):
+        ids = prompt[:3] + [bonus] + path_tokens(tree, i)
+        assert_close(logits[i], sequential(model, ids).logits[0, -1], tol)
+    with pytest.raises(InvalidInputError, match="commit"):
+        verifier.truncate(2)  # the verification is still pending
+    verifier.commit([])
+    with pytest.raises(InvalidInputError, match="cannot truncate a 3-token context to 4"):
+        verifier.truncate(4)
+    verifier.truncate(0)
+    assert verifier.context_length == 0
+
+
 # ---- (e) the drafter's cache -----------------------------------------------------------------------
 
 

@@ -323,6 +323,43 @@ def test_the_profile_estimate_is_on_the_high_side_of_the_real_time(tiny_generato
     assert estimate <= 5 * actual, (estimate, actual)
 
 
+def test_the_grid_is_measured_in_interleaved_passes(tiny_generator, monkeypatch):
+    """A slow spell of the machine as long as four calls (a fresh process's first calls, another
+    job) once inflated every trial of the point it fell on, and a curve with it: the context-0
+    curve of a real profile started 18 ms above the context-256 one. Measured in passes over the
+    whole grid, each point meets it at most once, and its median ignores it. Also: decoding's
+    reserved cache is what is timed, and every point is verified warmup + trials times."""
+    import collections
+    import time
+
+    verifier, proposer = tiny_generator.verifier, tiny_generator.proposer
+    verify = verifier.verify
+    counts, lengths, spell = [0, 4, 16, 32], [0, 16], range(8, 12)
+    calls = []
+
+    def timed_verify(bonus, tree):
+        slow = 0.25 if len(calls) in spell else 0.0
+        calls.append((verifier.context_length, len(tree), type(verifier.cache.layers[0]).__name__))
+        time.sleep(0.002 + 0.0002 * len(tree) + slow)
+        return verify(bonus, tree)
+
+    monkeypatch.setattr(verifier, "verify", timed_verify)
+    grid = {"context_lengths": lengths, "node_counts": counts, "trials": 3, "warmup": 1}
+    model = profile_cost_model(verifier, proposer, progress=False, **grid)
+    for length in lengths:
+        for n, seconds in zip(counts, model.metadata["raw_verify"][str(length)], strict=True):
+            # a median that met the spell took 0.25 s more; the margin absorbs a loaded machine
+            assert 0.002 + 0.0002 * n <= seconds < 0.002 + 0.0002 * n + 0.125, (length, n, seconds)
+    points = collections.Counter((max(length, 1), n) for length in lengths for n in counts)
+    assert collections.Counter(call[:2] for call in calls) == {p: 4 for p in points}
+    assert {call[2] for call in calls} == {"ReservedLayer"}
+    per_pass = len(lengths) * len(counts)
+    assert [call[:2] for call in calls[:per_pass]] == [(16, n) for n in counts] + [
+        (1, n) for n in counts
+    ]  # the longest context first, then truncated; the next pass visits the counts backwards
+    assert [call[1] for call in calls[per_pass : per_pass + len(counts)]] == counts[::-1]
+
+
 def test_describe_duration():
     from caddtree.profiling import describe_duration
 

@@ -321,6 +321,9 @@ class SpeculativeGenerator:
             "attention": getattr(self.target.config, "_attn_implementation", None),
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
+            # 2: the grid measured in interleaved passes, in decoding's reserved cache; a model
+            # cached by the earlier point-by-point profile is measured again once
+            "profiling": 2,
         }
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         path = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"

@@ -1,11 +1,16 @@
 """Measure the cost model on this machine: C_v(n; l) over a grid, and C_d (paper §3.6).
 
-Verification cost: the target's KV cache is filled with ``l`` context tokens once per context
-length; then, for each node count ``n``, a tree of ``n`` nodes (a DDTree over fixed random
-marginals, so of realistic shape and depth) is verified and discarded again, ``warmup`` times
-untimed and ``trials`` times timed. The median of the trials is the measurement. Drafting cost:
-the median time of one drafter pass (a block after a few new context features) at each context
-length, averaged over the context lengths.
+Verification cost: the target's KV cache (reserved in place, as decoding reserves it) is filled
+with the longest context once per pass; each context length ``l`` is then had by truncating it,
+from the longest down, and for each node count ``n`` a tree of ``n`` nodes (a DDTree over fixed
+random marginals, so of realistic shape and depth) is verified once and discarded again. The first
+``warmup`` passes are untimed, then ``trials`` timed passes follow, visiting the node counts in
+alternating order; the median of a point's trials is its measurement. Interleaving the grid this
+way spreads a slow spell of the machine (a fresh process's first calls, another job) over every
+point as one outlier among several, where timing each point's trials back to back let it shift
+whole stretches of one context's curve. Drafting cost: the median time of one drafter pass (a
+block after a few new context features) at each context length, averaged over the context
+lengths.
 
 Timings synchronise every device involved (the target's, and the drafter's when it differs)
 around each call, so on CUDA they measure the work, not the kernel launches.
@@ -221,7 +226,7 @@ def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float
     Times the prefill of the longest context, then after it one untimed and one timed
     verification of the largest tree, one of the empty tree, and one drafter pass. The estimate
     takes a verification to grow linearly in ``n`` between the two trees and to cost as much at
-    every context length as at the longest, and a prefill to grow linearly with its length.
+    every context length as at the longest.
     ``grid`` holds :func:`profile_cost_model`'s keyword arguments (the same defaults; ``progress``
     and ``metadata`` are ignored). Leaves both caches empty.
     """
@@ -240,7 +245,7 @@ def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float
         verifier.commit([])
 
     try:
-        verifier.reset()
+        verifier.reset(reserve=longest + counts[-1] + 1)  # as the profile reserves it
         prefill_s = _timed(lambda: features.append(verifier.prefill(context)[1]), devices)
         verify(largest)  # untimed: the first call pays one-time costs
         largest_s = _timed(lambda: verify(largest), devices)
@@ -251,11 +256,10 @@ def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float
         verifier.reset()
         proposer.reset()
     slope = max(largest_s - empty_s, 0.0) / max(counts[-1], 1)
-    per_point = sum(empty_s + slope * n for n in counts) + draft_s
+    per_pass = sum(empty_s + slope * n for n in counts)  # one context length's node counts
     runs = warmup + trials
-    return sum(
-        prefill_s * max(length, 1) / longest + draft_s + runs * per_point for length in lengths
-    )
+    # each pass prefills the longest context and verifies every point; then the drafter's points
+    return runs * (prefill_s + len(lengths) * per_pass) + len(lengths) * (runs + 1) * draft_s
 
 
 def describe_duration(seconds: float) -> str:
@@ -299,35 +303,53 @@ def profile_cost_model(
     gen = torch.Generator().manual_seed(seed)
     device = verifier.device
     draft_devices = list(dict.fromkeys([device, proposer.drafter.fc.weight.device]))
-    measurements: dict[int, tuple[list[int], list[float]]] = {}
-    draft_times: list[float] = []
+    # one context of random tokens; each length is its first max(l, 1) tokens (at least one: the
+    # first bonus follows something), had by truncating the longest, the model being causal
+    context = torch.randint(0, vocab, (max(lengths[-1], 1),), generator=gen).tolist()
+    bonus = int(torch.randint(0, vocab, (1,), generator=gen))
+    # the cache decoding reserves: room for the longest context and the largest tree
+    reserve = len(context) + counts[-1] + 1
+    times: dict[int, dict[int, list[float]]] = {
+        length: {n: [] for n in counts} for length in lengths
+    }
+    passes = warmup + trials
     bar = tqdm(
-        total=len(lengths) * (len(counts) + 1), desc="profiling", unit="point", disable=not progress
+        total=passes * len(lengths) * len(counts) + len(lengths),
+        desc="profiling",
+        unit="point",
+        disable=not progress,
     )
-    for length in lengths:
-        # a context of `length` random tokens (at least one: the first bonus follows something)
-        context = torch.randint(0, vocab, (max(length, 1),), generator=gen).tolist()
-        verifier.reset()
+    features = torch.empty(0)
+    for p in range(passes):
+        verifier.reset(reserve=reserve)
         _, features = verifier.prefill(context)
-        bonus = int(torch.randint(0, vocab, (1,), generator=gen))
-        latencies = []
-        for n in counts:
-            tree = trees[n]
+        for length in reversed(lengths):
+            verifier.truncate(max(length, 1))
+            for n in counts if p % 2 == 0 else reversed(counts):
+                tree = trees[n]
 
-            def verify_once(tree: DraftTree = tree, bonus: int = bonus) -> None:
-                verifier.verify(bonus, tree)
-                verifier.commit([])  # discard: the cache stays at `length` tokens
+                def verify_once(tree: DraftTree = tree) -> None:
+                    verifier.verify(bonus, tree)
+                    verifier.commit([])  # discard: the cache stays at `length` tokens
 
-            latencies.append(_median_time(verify_once, warmup, trials, [device]))
-            bar.update(1)
-        measurements[length] = (counts, latencies)
+                seconds = _median_time(verify_once, 0, 1, [device])
+                if p >= warmup:
+                    times[length][n].append(seconds)
+                bar.update(1)
+    measurements = {
+        length: (counts, [statistics.median(times[length][n]) for n in counts])
+        for length in lengths
+    }
 
+    draft_times: list[float] = []
+    for length in lengths:
+        prefix = features[:, : max(length, 1)]
         proposer.reset()
-        proposer.propose(bonus, features[:, :-4] if features.shape[1] > 4 else features[:, :1])
+        proposer.propose(bonus, prefix[:, :-4] if prefix.shape[1] > 4 else prefix[:, :1])
         start = proposer.context_length
-        tail = features[:, start : start + 4]
+        tail = prefix[:, start : start + 4]
 
-        def draft_once(start: int = start, bonus: int = bonus, tail: torch.Tensor = tail) -> None:
+        def draft_once(start: int = start, tail: torch.Tensor = tail) -> None:
             proposer.crop(start)
             proposer.propose(bonus, tail)
 

@@ -381,6 +381,18 @@ class TreeVerifier:
             return features[:, : len(accepted)]
         return features[:, torch.tensor(accepted, device=features.device)]
 
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` committed tokens in the KV cache (the cache then holds
+        what a prefill of those tokens alone would have left: the model is causal)."""
+        if self._pending is not None:
+            raise InvalidInputError("commit() the pending verification before truncating")
+        if not 0 <= int(length) <= self._length:
+            raise InvalidInputError(
+                f"cannot truncate a {self._length}-token context to {length} tokens"
+            )
+        compact_cache(self.cache, int(length))
+        self._length = int(length)
+
     # ---- internals ------------------------------------------------------------------------------
 
     def _hidden_state_selection(self) -> list[int] | bool:
