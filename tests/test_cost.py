@@ -440,3 +440,24 @@ def test_the_noise_warning_lives_on_the_cost_model():
     assert noisy.worst_r2 == pytest.approx(noisy.fit_quality[64].r2) and noisy.worst_r2 < 0.9
     warning = noisy.noise_warning("rerun on a quiet machine")
     assert f"R2 down to {noisy.worst_r2:.2f}" in warning and warning.endswith("quiet machine")
+
+
+def test_a_shorter_context_that_costs_more_is_noise():
+    """A causal model's verification does not get cheaper with more context: a profile whose
+    short-context curve lies far above a longer one's was disturbed, however well each fits."""
+    n = np.arange(0, 65, 8)
+    ok = ConvexCostModel.fit({0: (n, 0.040 + 1e-3 * n), 256: (n, 0.042 + 1e-3 * n)}, 0.004)
+    assert ok.context_inversion == 0.0 and not ok.noisy and ok.noise_warning("rerun") is None
+    # within 10%: timing noise between contexts, not a disturbed profile
+    close = ConvexCostModel.fit({0: (n, 0.044 + 1e-3 * n), 256: (n, 0.042 + 1e-3 * n)}, 0.004)
+    assert close.context_inversion == pytest.approx(0.002 / 0.042, rel=1e-4) and not close.noisy
+    # like the profile that made CaDDTree overbuy on GSM8K: context 0 from 67 ms, 256 from 48
+    bad = ConvexCostModel.fit(
+        {0: (n, 0.067 + 0.62e-3 * n), 256: (n, 0.048 + 0.96e-3 * n), 512: (n, 0.063 + 1e-3 * n)},
+        0.004,
+    )
+    assert bad.worst_r2 > 0.99 and bad.context_inversion == pytest.approx(0.019 / 0.048, rel=1e-4)
+    assert bad.noisy
+    warning = bad.noise_warning("measuring once more")
+    assert "R2" not in warning and "up to 40% slower to verify than a longer one" in warning
+    assert ok.quality > close.quality > bad.quality

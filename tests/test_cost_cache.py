@@ -73,6 +73,22 @@ def test_a_noisy_fit_is_measured_again_and_the_better_one_kept(
     assert min(q.r2 for q in saved.fit_quality.values()) > 0.99
 
 
+def test_a_profile_whose_short_context_costs_more_is_measured_again(
+    generator, tmp_path, monkeypatch, caplog
+):
+    n = [0, 1, 2, 4, 8, 16, 32]
+    line = 0.048 + 1e-3 * np.asarray(n)
+    inverted = ConvexCostModel.fit({0: (n, line + 0.02), 256: (n, line)}, draft_cost=0.004)
+    clean = ConvexCostModel.fit({0: (n, line), 256: (n, line + 0.002)}, draft_cost=0.004)
+    queue = [inverted, clean]
+    monkeypatch.setattr(generator, "profile", lambda **kwargs: queue.pop(0))
+    model = generator.cached_cost_model(tmp_path)
+    assert queue == [] and "42% slower to verify" in caplog.text
+    assert model.context_inversion == 0.0
+    saved = load_cost_model(next(tmp_path.glob("cost-*.json")))
+    assert saved.verify_cost(0, 0) == pytest.approx(0.048, rel=1e-4)
+
+
 def test_a_fit_that_stays_noisy_is_kept_with_a_warning(generator, tmp_path, monkeypatch, caplog):
     first, second = fitted(0.8, 1), fitted(0.9, 3)
     queue = [first, second]

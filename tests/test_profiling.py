@@ -82,6 +82,8 @@ def test_profile_writes_a_convex_cost_model_that_loads_back(profiled):
     assert meta["node_counts"] == [0, 2, 8, 32, 64] and meta["trials"] == 1
     assert sorted(meta["raw_verify"], key=int) == ["0", "24", "48"]
     assert all(len(v) == 5 and min(v) > 0 for v in meta["raw_verify"].values())
+    for length, medians in meta["raw_verify"].items():  # one trial per point (--trials 1)
+        assert meta["verify_trials"][length] == [[m] for m in medians]
     assert meta["target"].endswith("target") and meta["dtype"] == "torch.float64"
     # the file is versioned JSON, not pickle
     data = json.loads(cost.read_text())
@@ -346,6 +348,8 @@ def test_the_grid_is_measured_in_interleaved_passes(tiny_generator, monkeypatch)
     monkeypatch.setattr(verifier, "verify", timed_verify)
     grid = {"context_lengths": lengths, "node_counts": counts, "trials": 3, "warmup": 1}
     model = profile_cost_model(verifier, proposer, progress=False, **grid)
+    trials = model.metadata["verify_trials"]
+    assert max(trials["16"][0]) >= 0.25  # the spell fell on the first timed pass, at context 16
     for length in lengths:
         for n, seconds in zip(counts, model.metadata["raw_verify"][str(length)], strict=True):
             # a median that met the spell took 0.25 s more; the margin absorbs a loaded machine

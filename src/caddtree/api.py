@@ -348,7 +348,7 @@ class SpeculativeGenerator:
                 model = self.profile(**settings)
                 if model.noisy:
                     logger.warning("%s", model.noise_warning("measuring once more"))
-                    model = max(model, self.profile(**settings), key=lambda m: m.worst_r2)
+                    model = max(model, self.profile(**settings), key=lambda m: m.quality)
                 model.save(path)
         except OSError as exc:  # e.g. a cache folder another user made, without write access
             where = f" ({exc.filename})" if exc.filename else ""

@@ -150,6 +150,13 @@ NOISY_R2 = 0.9
 """A verification-cost fit with R² below this was probably disturbed by other work: the timings
 of a quiet machine fit a convex curve far better."""
 
+NOISY_INVERSION = 0.1
+"""A shorter context whose fitted verification cost exceeds a longer context's by more than this
+fraction (at some node count) was probably measured during a slow spell: a causal model attends
+to more keys in the longer context, so its cost does not fall. Such a curve misleads CaDDTree,
+which reads a too-high cost at short contexts as cheap extra nodes (it bought 11.7 nodes a round
+where 8 were best, on GSM8K, with a profile whose context-0 curve started 37% above context 256's)."""
+
 
 class CostModel(ABC):
     """What one decoding round costs, in seconds.
@@ -336,18 +343,48 @@ class ConvexCostModel(_CurvesPerContext):
         return worst if worst == worst else -math.inf
 
     @property
+    def context_inversion(self) -> float:
+        """How far a shorter context's fitted cost rises above a longer context's, at worst, as a
+        fraction of the longer one's (at the node counts both curves were fitted over); 0.0 when
+        the cost never falls as the context grows. See :data:`NOISY_INVERSION`."""
+        worst = 0.0
+        for i, short in enumerate(self.curves):
+            for long in self.curves[i + 1 :]:
+                top = min(short.node_counts[-1], long.node_counts[-1])
+                xs = np.union1d(short.node_counts, long.node_counts)
+                xs = xs[xs <= top]
+                longer = np.maximum(long(xs), 1e-12)
+                worst = max(worst, float(np.max((short(xs) - longer) / longer)))
+        return worst
+
+    @property
     def noisy(self) -> bool:
-        """Whether a fit is below :data:`NOISY_R2`: the timings were probably disturbed."""
-        return self.worst_r2 < NOISY_R2
+        """Whether a fit is below :data:`NOISY_R2`, or a shorter context costs more than a longer
+        one beyond :data:`NOISY_INVERSION`: the timings were probably disturbed."""
+        return self.worst_r2 < NOISY_R2 or self.context_inversion > NOISY_INVERSION
+
+    @property
+    def quality(self) -> tuple[bool, float]:
+        """A sort key, higher for the better of two profiles of the same pair: not noisy first,
+        then the lowest R² less the context inversion."""
+        return (not self.noisy, self.worst_r2 - self.context_inversion)
 
     def noise_warning(self, remedy: str) -> str | None:
         """The one warning about noisy timings (``None`` when the fits are fine), ending with
         ``remedy``: what the caller can do about it."""
         if not self.noisy:
             return None
+        found = []
+        if self.worst_r2 < NOISY_R2:
+            found.append(f"R2 down to {self.worst_r2:.2f}")
+        if self.context_inversion > NOISY_INVERSION:
+            found.append(
+                f"a shorter context measured up to {self.context_inversion:.0%} slower to verify "
+                "than a longer one"
+            )
         return (
-            f"the timings were noisy (R2 down to {self.worst_r2:.2f}); another process may have "
-            f"been using the machine. The fit is convex and usable; {remedy}"
+            f"the timings were noisy ({'; '.join(found)}); another process may have been using "
+            f"the machine. The fit is convex and usable; {remedy}"
         )
 
     def fit_report(self) -> str:

@@ -290,7 +290,8 @@ def profile_cost_model(
     """Profile ``verifier`` (a :class:`~caddtree.models.TreeVerifier`) and ``proposer`` (a
     :class:`~caddtree.models.DFlashProposer`) and fit a :class:`ConvexCostModel`.
 
-    The fitted model's ``metadata`` records the grid, the raw medians and ``metadata``.
+    The fitted model's ``metadata`` records the grid, the raw medians, every timed trial and
+    ``metadata``.
     Raises :class:`~caddtree.errors.InvalidInputError` for a bad grid (see
     :func:`check_profile_grid`), a context length beyond the model's window, or a node count that
     no tree of the drafter's depth can hold.
@@ -332,7 +333,7 @@ def profile_cost_model(
                     verifier.verify(bonus, tree)
                     verifier.commit([])  # discard: the cache stays at `length` tokens
 
-                seconds = _median_time(verify_once, 0, 1, [device])
+                seconds = _timed(verify_once, [device])
                 if p >= warmup:
                     times[length][n].append(seconds)
                 bar.update(1)
@@ -366,6 +367,8 @@ def profile_cost_model(
         "warmup": warmup,
         "draft_times": draft_times,
         "raw_verify": {str(k): v[1] for k, v in measurements.items()},
+        # every timed trial, per context length and node count (in pass order): how noisy it was
+        "verify_trials": {str(k): [times[k][n] for n in counts] for k in lengths},
         **(metadata or {}),
     }
     return ConvexCostModel.fit(measurements, draft_cost, metadata=meta)

@@ -124,7 +124,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tree sizes to time, at least 3 distinct (default: 0 1 2 4 8 ... 768 1024; "
         f"--quick: up to 256; at most {MAX_TREE_NODES})",
     )
-    p.add_argument("--trials", type=int, help="timed passes over the grid; each point keeps its median (default 5)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        help="timed passes over the grid; each point keeps its median (default 5)",
+    )
     p.add_argument("--warmup", type=int, help="untimed passes before them (default 2)")
     p.add_argument("--out", default="cost.json", help="cost-model JSON file (default cost.json)")
     p.add_argument("--plot", help="also draw Figure 4 (latency vs nodes) to this .png/.pdf/.svg")
