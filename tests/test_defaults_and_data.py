@@ -223,11 +223,18 @@ def test_default_target_converts_once_and_says_so(fake_smollm2, caplog, tmp_path
     assert defaults.default_target_dir() == first and len(conversions) == 1
     monkeypatch.setattr(defaults, "smollm2_gguf_path", lambda: gguf)
 
-    # the wheel is upgraded: the file changes, so convert again, and drop the old cache
+    # the wheel is upgraded: the file changes, so convert again; the old conversion stays while
+    # the second environment still has the old file, and goes once that one upgrades too
     gguf.write_bytes(b"GGUF" + b"\1" * 60)
     second = defaults.default_target_dir()
     assert second != first and len(conversions) == 2
-    assert not first.exists() and second.is_dir()
+    assert first.is_dir() and second.is_dir()
+    gguf.write_bytes(b"GGUF" + b"\2" * 60)
+    elsewhere.write_bytes(b"GGUF" + b"\2" * 60)
+    third = defaults.default_target_dir()
+    assert len(conversions) == 3 and not first.exists() and not second.exists()
+    monkeypatch.setattr(defaults, "smollm2_gguf_path", lambda: elsewhere)
+    assert defaults.default_target_dir() == third and len(conversions) == 3
 
 
 def test_default_target_failed_conversion_leaves_no_cache(fake_smollm2, monkeypatch, tmp_path):

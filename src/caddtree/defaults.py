@@ -145,30 +145,48 @@ def default_drafter_dir() -> Path:
 GGUF_DIGESTS = "gguf-digests.json"  # in the cache root: SHA-256 per GGUF file state
 
 
+def _file_state(path: Path | str) -> str | None:
+    """``"path|size|mtime_ns"`` of an existing file, ``None`` when there is none."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _current_digests() -> dict[str, str]:
+    """The recorded digests (``GGUF_DIGESTS``) of files still in the state they were hashed in,
+    by file state; an unreadable record holds none."""
+    try:
+        known = json.loads((cache_root() / GGUF_DIGESTS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(known, dict):
+        return {}
+    return {
+        state: digest
+        for state, digest in known.items()
+        if isinstance(digest, str) and _file_state(str(state).rsplit("|", 2)[0]) == state
+    }
+
+
 def gguf_digest(path: Path) -> str:
     """SHA-256 of the file at ``path``, hashed (about 0.3 s for the SmolLM2 GGUF) only when this
-    file state (path, size, mtime) is new: the digests of earlier states are kept in
-    ``GGUF_DIGESTS`` in the cache root, with those of files that no longer exist dropped. That
-    record is only a shortcut: when it cannot be read or written, the file is hashed again."""
-    stat = path.stat()
-    state = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
-    record = cache_root() / GGUF_DIGESTS
-    try:
-        known = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    digest = known.get(state)
-    if isinstance(digest, str) and len(digest) == 64:
-        return digest
+    file state (path, size, mtime) is new: the digests of files still in the state they were
+    hashed in are kept in ``GGUF_DIGESTS`` in the cache root. That record is only a shortcut: when
+    it cannot be read or written, the file is hashed again."""
+    state = _file_state(path)
+    known = _current_digests()
+    if state in known:
+        return known[state]
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             sha.update(chunk)
     digest = sha.hexdigest()
-    kept = {k: v for k, v in known.items() if Path(str(k).rsplit("|", 2)[0]).exists()}
     with contextlib.suppress(OSError):
-        atomic_write_text(record, json.dumps({**kept, state: digest}, indent=1) + "\n")
+        record = json.dumps({**known, str(state): digest}, indent=1) + "\n"
+        atomic_write_text(cache_root() / GGUF_DIGESTS, record)
     return digest
 
 
@@ -372,7 +390,13 @@ def default_target_dir() -> Path:
 def _remove_superseded(current: Path, source: dict[str, Any]) -> None:
     """Delete caches built from the same GGUF path at an older version or file contents: that
     file has changed since, so this install cannot use them again. Caches first built by other
-    installs (other paths) are kept."""
+    installs (other paths) are kept, and so is one whose file another install still has (its
+    digest is recorded in ``GGUF_DIGESTS`` for another path, in the state that file is in now)."""
+    elsewhere = {
+        digest
+        for state, digest in _current_digests().items()
+        if state.rsplit("|", 2)[0] != source["gguf_file"]
+    }
     for path in current.parent.glob(f"{DEFAULT_TARGET_NAME.lower()}-*"):
         if path == current or not path.is_dir():
             continue
@@ -380,7 +404,9 @@ def _remove_superseded(current: Path, source: dict[str, Any]) -> None:
             marker = json.loads((path / CACHE_MARKER).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if marker.get("gguf_file") == source["gguf_file"]:
+        if marker.get("gguf_file") == source["gguf_file"] and (
+            marker.get("gguf_sha256") not in elsewhere
+        ):
             shutil.rmtree(path, ignore_errors=True)
 
 
