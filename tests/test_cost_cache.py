@@ -144,3 +144,26 @@ def test_another_attention_implementation_is_profiled_anew(generator, tmp_path, 
         model.set_attn_implementation("caddtree_sdpa")
     assert len(calls) == 2
     assert len(list(tmp_path.glob("cost-*.json"))) == 2
+
+
+def test_a_moved_drafter_reuses_the_profile_and_other_weights_do_not(
+    generator, tmp_path, monkeypatch
+):
+    """A second clone or virtual environment holds the packaged drafter at another path: the
+    profile is the drafter's (by its weights), not its path's."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(generator, "profile", lambda **kw: calls.append(1) or fitted(0.0, 0))
+    generator.cached_cost_model(tmp_path)
+    monkeypatch.setitem(generator.source, "draft", "/another/clone/smollm2-135m-dflash")
+    generator.cached_cost_model(tmp_path)
+    assert len(calls) == 1
+    weight = generator.drafter.fc.weight
+    with torch.no_grad():
+        weight.add_(1.0)
+        try:
+            generator.cached_cost_model(tmp_path)
+        finally:
+            weight.sub_(1.0)
+    assert len(calls) == 2

@@ -311,7 +311,10 @@ class SpeculativeGenerator:
         from .defaults import cache_root
 
         ident = {
-            "source": getattr(self, "source", {}),
+            # the target by its path (for the built-in one, a cache directory named by the
+            # GGUF's contents); the drafter by its weights, not its path, so that a second clone
+            # or virtual environment, whose packaged drafter lies elsewhere, reuses the profile
+            "source": {"target": getattr(self, "source", {}).get("target")},
             "drafter": weights_digest(self.drafter) if self.drafter is not None else None,
             "target_config": self.target.config.get_text_config()
             .to_dict()
