@@ -135,6 +135,9 @@ class SpeculativeGenerator:
     (with ``budget``) and ``caddtree`` (with a cost model) need one. Output is lossless for every
     method: identical to plain greedy decoding at temperature 0, and distributed as the target's
     sampling at temperature > 0.
+
+    On the CPU the linear layers of both models are packed for oneDNN unless ``pack_weights`` is
+    false (:mod:`caddtree.models.packing`); ``packed_layers`` says how many were.
     """
 
     def __init__(
@@ -145,7 +148,9 @@ class SpeculativeGenerator:
         *,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         context_window: int | None = None,
+        pack_weights: bool = True,
     ):
+        from .models.packing import pack_linear_layers
         from .models.proposer import DFlashProposer
         from .models.target import TreeVerifier
 
@@ -157,6 +162,12 @@ class SpeculativeGenerator:
         )
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         self.verifier = TreeVerifier(self.target, layer_ids)
+        # On the CPU, lay the linear layers' weights out for oneDNN once instead of every call
+        # (caddtree.models.packing); elsewhere, and with pack_weights=False, this packs nothing.
+        head = self.proposer.lm_head if self.proposer is not None else None
+        self.packed_layers = (
+            pack_linear_layers(self.target, self.drafter, head) if pack_weights else 0
+        )
         if context_window is not None:
             self.set_context_window(context_window)
         self.cost_model = self._cost_model(cost_model)
@@ -196,13 +207,16 @@ class SpeculativeGenerator:
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         gguf_file: str | None = None,
         context_window: int | None = None,
+        pack_weights: bool = True,
         **target_kwargs: Any,
     ) -> SpeculativeGenerator:
         """Load a transformers causal LM (a local directory or hub id) with SDPA attention (on the
         CPU, caddtree's variant that reads grouped-query heads in place:
         :mod:`caddtree.models.attention`), its tokenizer, and a DFlash drafter in the released
         format (``draft``; optional for ``ar``).
-        ``context_window``: see :meth:`set_context_window` (default: the model's window)."""
+        ``context_window``: see :meth:`set_context_window` (default: the model's window).
+        ``pack_weights``: on the CPU, lay the linear layers' weights out for oneDNN once
+        (:mod:`caddtree.models.packing`: faster, one more copy of those weights in memory)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from .models.attention import preferred_attention
@@ -246,7 +260,12 @@ class SpeculativeGenerator:
         if draft is not None:
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=torch_dtype).to(dev)
         gen = cls(
-            model.to(dev), tokenizer, drafter, cost_model=cost_model, context_window=context_window
+            model.to(dev),
+            tokenizer,
+            drafter,
+            cost_model=cost_model,
+            context_window=context_window,
+            pack_weights=pack_weights,
         )
         gen.source = {"target": str(target), "draft": None if draft is None else str(draft)}
         return gen
@@ -322,6 +341,8 @@ class SpeculativeGenerator:
             "dtype": str(self.verifier.dtype),
             # verification costs differ between attention implementations (sdpa, caddtree_sdpa)
             "attention": getattr(self.target.config, "_attn_implementation", None),
+            # and with and without weights packed for oneDNN
+            "packed_layers": self.packed_layers,
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
             # 2: the grid measured in interleaved passes, in decoding's reserved cache; a model

@@ -42,8 +42,8 @@ def add_target_argument(parser: Any) -> None:
 
 def add_pair_arguments(parser: Any) -> None:
     """The options that name the model pair, as :func:`load_pair` takes them: ``--target``,
-    ``--draft``, ``--dtype``, ``--device`` and ``--context-window`` (on an ``argparse``
-    parser)."""
+    ``--draft``, ``--dtype``, ``--device``, ``--context-window`` and ``--no-weight-packing`` (on an
+    ``argparse`` parser)."""
     add_target_argument(parser)
     parser.add_argument("--draft", help="DFlash drafter: a local directory or hub id")
     parser.add_argument(
@@ -58,6 +58,13 @@ def add_pair_arguments(parser: Any) -> None:
         metavar="N",
         help="the most tokens prompt and output may hold together (default: the target's "
         "max_position_embeddings); past the trained window, positions are extrapolated",
+    )
+    parser.add_argument(
+        "--no-weight-packing",
+        dest="pack_weights",
+        action="store_false",
+        help="on the CPU, leave the linear layers' weights as loaded instead of laying them out "
+        "once for oneDNN (slower; saves one copy of those weights in memory)",
     )
 
 
@@ -127,6 +134,7 @@ def load_pair_of(args: argparse.Namespace, *, with_drafter: bool = True) -> Spec
         method=args.method,
         with_drafter=with_drafter,
         context_window=getattr(args, "context_window", None),
+        pack_weights=getattr(args, "pack_weights", True),
     )
 
 
@@ -140,11 +148,13 @@ def load_pair(
     method: str | None = None,
     with_drafter: bool = True,
     context_window: int | None = None,
+    pack_weights: bool = True,
 ) -> SpeculativeGenerator:
     """The generator of ``target`` and ``draft`` (both ``None``: the built-in pair, in bfloat16 for
     ``dtype="auto"``), without its drafter unless ``with_drafter``. For ``method="caddtree"`` its
     cost model is ``cost_model``, else the cached one for this machine (profiled on first use).
-    ``context_window``: see :meth:`~caddtree.api.SpeculativeGenerator.set_context_window`.
+    ``context_window``: see :meth:`~caddtree.api.SpeculativeGenerator.set_context_window`;
+    ``pack_weights``: see :meth:`~caddtree.api.SpeculativeGenerator.from_pretrained`.
     ``generator.source`` names the models loaded."""
     from .api import SpeculativeGenerator
     from .defaults import resolve_model_pair
@@ -157,6 +167,7 @@ def load_pair(
         device=device,
         cost_model=cost_model,
         context_window=context_window,
+        pack_weights=pack_weights,
     )
     if method == "caddtree" and gen.cost_model is None:
         # no silent fallback: profile this machine once (cached), and say so

@@ -31,6 +31,13 @@ def add_arguments(p: Any) -> None:
     )
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument(
+        "--no-weight-packing",
+        dest="pack_weights",
+        action="store_false",
+        help="on the CPU, run the models with their weights as loaded, not laid out once for "
+        "oneDNN (slower)",
+    )
+    p.add_argument(
         "--datasets",
         nargs="+",
         metavar="NAME",
@@ -133,7 +140,11 @@ def cli_main(args: Any) -> int:
     args.target, args.draft, args.dtype = resolve_model_pair(args.target, args.draft, args.dtype)
     needs_draft = any(s.family != "ar" for s in specs)
     gen = SpeculativeGenerator.from_pretrained(
-        args.target, args.draft if needs_draft else None, dtype=args.dtype, device=device
+        args.target,
+        args.draft if needs_draft else None,
+        dtype=args.dtype,
+        device=device,
+        pack_weights=args.pack_weights,
     )
     main_dtype = generator_dtype(gen)
     if args.methods is None:  # the default list: also AR in the dtype that may be faster here
@@ -143,7 +154,11 @@ def cli_main(args: Any) -> int:
     # one target-only copy per other dtype that plain decoding is measured in
     ar_gens = {
         s.dtype: SpeculativeGenerator.from_pretrained(
-            args.target, None, dtype=s.dtype, device=gen.verifier.device
+            args.target,
+            None,
+            dtype=s.dtype,
+            device=gen.verifier.device,
+            pack_weights=args.pack_weights,
         )
         for s in specs
         if s.dtype is not None and s.dtype != main_dtype
@@ -167,6 +182,8 @@ def cli_main(args: Any) -> int:
         "torch": torch.__version__,
         "caddtree": __version__,
         "threads": torch.get_num_threads(),
+        # linear layers packed for oneDNN (caddtree.models.packing): they change every timing
+        "packed_layers": gen.packed_layers,
         "cost_model": args.cost_model or "profiled on this machine (cached)",
         "command": shlex.join(["caddtree", "bench", *sys.argv[2:]])
         if len(sys.argv) > 1 and sys.argv[1] == "bench"

@@ -198,6 +198,7 @@ RUN_KEYS = (
     "max_budget",
     "seed",
     "cost_model_digest",
+    "packed_layers",
 )
 """The settings in ``results.meta.json`` that change the measurements: a resumed run must match
 the earlier one in these."""

@@ -23,6 +23,7 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     from ..api import eos_token_ids
     from ..devices import resolve_dtype
+    from ..models.packing import pack_linear_layers
     from ..train import TrainConfig, prepare_data, train_drafter
     from ..train import prompts as prompt_data
 
@@ -78,6 +79,10 @@ def train_drafter(args: argparse.Namespace) -> int:
     target = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=dtype, attn_implementation="sdpa"
     )
+    # data generation and context features run the frozen target many times: on the CPU, lay
+    # its linear weights out for oneDNN once (caddtree.models.packing; training steps, which
+    # need gradients through its head, fall back to the plain layer)
+    pack_linear_layers(target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     stops = sorted(eos_token_ids(tokenizer, target))
     timings = {}
