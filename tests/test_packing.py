@@ -162,3 +162,18 @@ def test_decoding_with_packed_weights_is_plain_decoding(dtype):
     if dtype is torch.float32:
         plain = make_gen(dtype, pack_weights=False)
         assert plain.generate(PROMPT, "ar", **kwargs).token_ids == ar
+
+
+def test_the_command_line_flag_turns_packing_off(tiny_pair_dirs):
+    """``--no-weight-packing`` (every command that loads the pair) reaches the loaded generator."""
+    import argparse
+
+    from caddtree.loading import add_method_arguments, add_pair_arguments, load_pair_of
+
+    parser = argparse.ArgumentParser()
+    add_pair_arguments(parser)
+    add_method_arguments(parser)
+    target, draft = (str(p) for p in tiny_pair_dirs)
+    base = ["--target", target, "--draft", draft, "--dtype", "float32", "--method", "ddtree"]
+    assert load_pair_of(parser.parse_args(base)).packed_layers > 0
+    assert load_pair_of(parser.parse_args([*base, "--no-weight-packing"])).packed_layers == 0
