@@ -108,6 +108,11 @@ def test_what_is_not_packed():
         pass
 
     assert pack_linear_layers(Subclass(4, 4)) == 0
+    with torch.inference_mode():  # no version counter to tell a stale copy by
+        inference = linear(torch.float32)
+    assert pack_linear_layers(inference) == 0
+    with torch.inference_mode():
+        assert inference(torch.randn(2, 40)).shape == (2, 24)
     # a layer packed twice is packed once; unpacking restores the plain forward
     layer = linear(torch.float32)
     assert pack_linear_layers(layer, layer) == 1 and pack_linear_layers(layer) == 1

@@ -16,7 +16,8 @@ parameter holds (the weight was changed in place, replaced or moved, or its dtyp
 the input is on another device or in another dtype, and when autograd needs the graph (gradients
 enabled and the input or weight requires them): training through a packed layer is exact.
 
-Packing applies to CPU layers in bfloat16 or float32 only (oneDNN has no float64 kernels), and
+Packing applies to CPU layers in bfloat16 or float32 only (oneDNN has no float64 kernels), not to
+weights created under ``torch.inference_mode()`` (they keep no version counter), and
 only where this PyTorch build has the operators and they reproduce ``F.linear`` on a probe input;
 elsewhere layers are left as they are. It is skipped, with a warning, when the packed copies would
 take more than half the memory the system has available (``MemAvailable``): a model that fills
@@ -100,6 +101,10 @@ def _packable(layer: nn.Module) -> bool:
         return False
     weight = layer.weight
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.is_meta:
+        return False
+    if weight.is_inference():
+        # made under torch.inference_mode(): no version counter, so an in-place change could not
+        # be told from the packed copy; left unpacked rather than risk a stale one
         return False
     if layer.bias is not None and layer.bias.dtype is not weight.dtype:
         return False
