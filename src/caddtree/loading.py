@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "add_method_arguments",
+    "add_packing_argument",
     "add_pair_arguments",
     "add_target_argument",
     "check_pair_arguments",
@@ -59,6 +60,11 @@ def add_pair_arguments(parser: Any) -> None:
         help="the most tokens prompt and output may hold together (default: the target's "
         "max_position_embeddings); past the trained window, positions are extrapolated",
     )
+    add_packing_argument(parser)
+
+
+def add_packing_argument(parser: Any) -> None:
+    """``--no-weight-packing`` (``args.pack_weights``), as :func:`load_pair` takes it."""
     parser.add_argument(
         "--no-weight-packing",
         dest="pack_weights",

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..checks import check_int
 from ..errors import InvalidInputError
+from ..loading import add_packing_argument
 from .methods import DEFAULT_BUDGETS, DEFAULT_METHODS, default_ar_dtypes, parse_methods
 from .runner import BenchConfig, barrier, generator_dtype, init_distributed, run_bench
 
@@ -30,13 +31,7 @@ def add_arguments(p: Any) -> None:
         "excepted)",
     )
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument(
-        "--no-weight-packing",
-        dest="pack_weights",
-        action="store_false",
-        help="on the CPU, run the models with their weights as loaded, not laid out once for "
-        "oneDNN (slower)",
-    )
+    add_packing_argument(p)
     p.add_argument(
         "--datasets",
         nargs="+",

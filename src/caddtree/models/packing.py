@@ -47,21 +47,21 @@ _PROBE_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
 class _Packed(NamedTuple):
-    weight: torch.Tensor  # oneDNN's blocked copy
+    weight: torch.Tensor  # oneDNN's blocked copy (same dtype as the parameter)
     version: int  # the parameter's in-place version counter when packed
     data_ptr: int
-    dtype: torch.dtype
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     state: _Packed = getattr(self, _STATE)
     weight = self.weight
+    dtype = state.weight.dtype
     if (
-        x.dtype is state.dtype
+        x.dtype is dtype
         and x.device.type == "cpu"
         and weight._version == state.version
         and weight.data_ptr() == state.data_ptr
-        and weight.dtype is state.dtype
+        and weight.dtype is dtype
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         return torch.ops.mkldnn._linear_pointwise(x, state.weight, self.bias, "none", [], "")
@@ -163,7 +163,7 @@ def pack_linear_layers(*modules: nn.Module | None, memory_limit: int | None = No
         weight = layer.weight
         with torch.no_grad():
             packed = _pack(weight)
-        setattr(layer, _STATE, _Packed(packed, weight._version, weight.data_ptr(), weight.dtype))
+        setattr(layer, _STATE, _Packed(packed, weight._version, weight.data_ptr()))
         layer.forward = types.MethodType(_packed_forward, layer)
     return sum(hasattr(layer, _STATE) for layer in layers)
 
