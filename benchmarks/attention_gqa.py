@@ -1,6 +1,6 @@
 """Tree verification with transformers' SDPA attention vs caddtree's grouped-query SDPA.
 
-    python benchmarks/attention_gqa.py [--contexts 200 2000 6000] [--budget 16]
+    python benchmarks/attention_gqa.py [--contexts 200 2000 6000] [--budget 16] [--single-query]
                                        [--repeats 6] [--calls 5] [--dtype bfloat16]
 
 On the CPU, :meth:`caddtree.SpeculativeGenerator.from_pretrained` loads a target with
@@ -13,6 +13,12 @@ every call sees the same context). Both implementations run in one process on th
 switched between calls, in alternating order, ``--repeats`` times ``--calls`` calls each; it
 prints the median milliseconds of each, their ratio, and whether the verification's logits were
 identical (they must be: the two compute the same attention).
+
+``--single-query`` times plain decoding's step instead: the target forward over one token (a
+round that verifies only the bonus token), where caddtree_sdpa stacks the query heads that share a
+key/value head into one flash call and transformers' SDPA runs the kernel with ``enable_gqa``. The
+two may round differently in bfloat16 (the same float32 softmax, summed in another order), so the
+logits column then says how far apart they are.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from caddtree.api import SpeculativeGenerator
 from caddtree.defaults import resolve_model_pair
 from caddtree.models.attention import GQA_SDPA
+from caddtree.tree import DraftTree
 from long_generation import branching_tree, prefill_context  # this folder's memory benchmark
 
 IMPLEMENTATIONS = ("sdpa", GQA_SDPA)
@@ -39,6 +46,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--single-query",
+        action="store_true",
+        help="time a one-token forward (plain decoding's step) instead of a tree verification",
+    )
     args = parser.parse_args()
 
     target, draft, dtype = resolve_model_pair(None, None, args.dtype)
@@ -46,10 +58,11 @@ def main() -> None:
     verifier, model = gen.verifier, gen.target
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    tree = branching_tree(rng, vocab, args.budget)
+    tree = DraftTree.empty() if args.single_query else branching_tree(rng, vocab, args.budget)
     print(
         f"{model.config.num_attention_heads} query heads over "
-        f"{model.config.num_key_value_heads} key/value heads; tree of {len(tree)} nodes, "
+        f"{model.config.num_key_value_heads} key/value heads; the bonus token and a tree of "
+        f"{len(tree)} nodes, "
         f"{args.dtype}, {torch.get_num_threads()} threads"
     )
     print(f"{'context':>8} {'sdpa ms':>9} {GQA_SDPA + ' ms':>18} {'speed-up':>9}  logits")

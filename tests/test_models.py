@@ -228,9 +228,10 @@ def test_empty_tree_verifies_the_bonus_alone(target):
     assert verifier.context_length == PROMPT_LENGTH + 1
 
 
-def test_gqa_sdpa_reads_grouped_heads_itself_only_under_a_tree_mask(monkeypatch):
-    """caddtree_sdpa answers a tree verification itself (grouped heads read in place) and hands
-    everything else to transformers' SDPA; either way it computes what transformers' SDPA does."""
+def test_gqa_sdpa_answers_trees_and_single_queries_itself(monkeypatch):
+    """caddtree_sdpa answers a tree verification (grouped heads read in place) and a single query
+    (grouped heads stacked as queries) itself and hands everything else to transformers' SDPA;
+    either way it computes what transformers' SDPA does."""
     handed_over = []
     original = gqa_attention.sdpa_attention_forward
 
@@ -259,8 +260,21 @@ def test_gqa_sdpa_reads_grouped_heads_itself_only_under_a_tree_mask(monkeypatch)
         verifier.commit([0])
     expected, _ = plain.verify(3, DraftTree.empty())
     logits, _ = gqa.verify(3, DraftTree.empty())
-    assert handed_over == [True] * layers  # a lone bonus token: no mask, transformers' path
+    assert handed_over == []  # a lone bonus token: no mask, caddtree_sdpa's single-query path
     assert_close(logits, expected, 1e-12)
+    # the single-query path under a one-row mask, against transformers' SDPA on the same input
+    attention = gqa.model.model.layers[0].self_attn
+    query = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    key, value = torch.randn(2, 1, 2, 6, 8, dtype=torch.float64)
+    row = torch.zeros(1, 1, 1, 6, dtype=torch.float64)
+    row[..., 2] = torch.finfo(torch.float64).min  # one key hidden
+    for mask in (None, row):
+        handed_over.clear()
+        ours, _ = gqa_attention.gqa_sdpa_attention(attention, query, key, value, mask, scaling=0.3)
+        assert handed_over == []
+        theirs, _ = original(attention, query, key, value, mask, scaling=0.3)
+        assert ours.shape == theirs.shape == (1, 1, 4, 8)
+        assert_close(ours, theirs, 1e-12)
 
 
 def test_targets_load_with_gqa_sdpa_on_the_cpu(tiny_pair_dirs):
