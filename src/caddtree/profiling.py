@@ -245,7 +245,7 @@ def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float
         verifier.commit([])
 
     try:
-        verifier.reset(reserve=longest + counts[-1] + 1)  # as the profile reserves it
+        verifier.reset(reserve=_profile_reserve(longest, counts))  # as the profile reserves it
         prefill_s = _timed(lambda: features.append(verifier.prefill(context)[1]), devices)
         verify(largest)  # untimed: the first call pays one-time costs
         largest_s = _timed(lambda: verify(largest), devices)
@@ -260,6 +260,12 @@ def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float
     runs = warmup + trials
     # each pass prefills the longest context and verifies every point; then the drafter's points
     return runs * (prefill_s + len(lengths) * per_pass) + len(lengths) * (runs + 1) * draft_s
+
+
+def _profile_reserve(longest: int, counts: Sequence[int]) -> int:
+    """The KV room a profile reserves, as decoding reserves it: the longest context, the largest
+    tree and its bonus token."""
+    return longest + counts[-1] + 1
 
 
 def describe_duration(seconds: float) -> str:
@@ -308,8 +314,7 @@ def profile_cost_model(
     # first bonus follows something), had by truncating the longest, the model being causal
     context = torch.randint(0, vocab, (max(lengths[-1], 1),), generator=gen).tolist()
     bonus = int(torch.randint(0, vocab, (1,), generator=gen))
-    # the cache decoding reserves: room for the longest context and the largest tree
-    reserve = len(context) + counts[-1] + 1
+    reserve = _profile_reserve(len(context), counts)
     times: dict[int, dict[int, list[float]]] = {
         length: {n: [] for n in counts} for length in lengths
     }
