@@ -30,6 +30,7 @@ import json  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from caddtree import ConvexCostModel, load_cost_model  # noqa: E402
 
@@ -201,9 +202,10 @@ def test_train_drafter_on_a_prompt_file_end_to_end(capsys, tiny_pair_dirs, tmp_p
     argv += [str(prompts), "--sharegpt", "0", "--code", "0", "--math", "0", "--dtype", "float64"]
     argv += ["--max-new-tokens", "12", "--steps", "4", "--anchors", "4", "--feature-layers", "2"]
     argv += ["--draft-vocab-coverage", "0.95", "--export", str(export), "--export-dtype", "float64"]
-    assert main(argv) == 0
+    assert main([*argv, "--device", "cpu"]) == 0
     run = json.loads((out / "run.json").read_text())
     assert run["prompts"]["file"] == 5 and run["prompts"]["total"] == 5
+    assert run["device"] == "cpu" and run["dtype"] == "torch.float64"
     config = json.loads((export / "config.json").read_text())
     assert 0 < config["draft_vocab_size"] < 96
     assert run["draft_vocab"]["size"] == config["draft_vocab_size"]
@@ -260,9 +262,15 @@ def test_train_drafter_names_the_bad_line_of_a_prompt_file(capsys, tmp_path):
     [
         (["--code", "10000000"], "more code prompts than this Python's standard library gives"),
         (["--math", "-1"], "--math must be a non-negative integer"),
+        (["--device", "tpu9"], "unknown device 'tpu9'"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present"),
+        ),
     ],
 )
-def test_train_drafter_prompt_counts_are_checked_first(capsys, tmp_path, extra, message):
+def test_train_drafter_arguments_are_checked_before_any_work(capsys, tmp_path, extra, message):
     argv = ["train-drafter", "--output", str(tmp_path / "run"), "--target", str(tmp_path / "no")]
     assert main([*argv, *extra]) == 2
     err = capsys.readouterr().err
@@ -270,8 +278,6 @@ def test_train_drafter_prompt_counts_are_checked_first(capsys, tmp_path, extra, 
 
 
 # ---- --compare-ar: warm-up, and the fastest AR as the baseline ------------------------------------
-
-import torch  # noqa: E402
 
 
 def compare_ar_argv(dirs, *extra):

@@ -22,7 +22,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..api import eos_token_ids
-    from ..devices import resolve_dtype
+    from ..devices import resolve_device, resolve_dtype
     from ..models.packing import pack_linear_layers
     from ..train import TrainConfig, prepare_data, train_drafter
     from ..train import prompts as prompt_data
@@ -67,7 +67,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         from ..defaults import default_target_dir
 
         target_dir = default_target_dir()
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     user_prompts = None
     if args.prompts:
         from ..train.magpie import read_prompt_file
@@ -78,7 +79,7 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     target = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=dtype, attn_implementation="sdpa"
-    )
+    ).to(device)
     # data generation and context features run the frozen target many times: on the CPU, lay
     # its linear weights out for oneDNN once (caddtree.models.packing; training steps, which
     # need gradients through its head, fall back to the plain layer)
@@ -190,6 +191,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         "command": "caddtree " + " ".join(sys.argv[1:]) if sys.argv else "",
         "target": str(target_dir),
         "dtype": str(dtype),
+        "device": str(device),
         "prompts": {
             "total": len(prompt_set.prompts),
             **prompt_set.sources,
@@ -262,6 +264,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     p.add_argument("--batch-size", type=int, default=16, help="generation batch size")
     p.add_argument("--dtype", default="bfloat16", help="target dtype for data and features")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where the target generates data and features and the drafter trains: cpu, cuda, "
+        "cuda:1 ... (default: cuda if available); a run may move between devices and resume",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-layers", type=int, default=1, help="drafter layers")
     p.add_argument(
