@@ -94,17 +94,17 @@ def main() -> None:
         mods["down_proj"](h)
 
     all_layers = [*mods.values(), qkv, gate_up]
+    variants = {  # name: (weights packed?, the calls of one decoder layer)
+        "packed": (True, separate),
+        "plain": (False, separate),
+        "packed, q/k/v and gate/up fused": (True, fused),
+    }
+    order = list(variants)
     results: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
         for rows in args.rows:
             x = torch.randn(1, rows, width, dtype=dtype)
             h = torch.randn(1, rows, inner, dtype=dtype)
-            variants = {
-                "packed": (True, separate),
-                "plain": (False, separate),
-                "packed, q/k/v and gate/up fused": (True, fused),
-            }
-            order = list(variants)
             for r in range(args.repeats):
                 for name in order if r % 2 == 0 else order[::-1]:
                     packed, fn = variants[name]
@@ -115,7 +115,7 @@ def main() -> None:
         pack_linear_layers(*all_layers)
 
     base_rows = args.rows[0]
-    for name in ("packed", "plain", "packed, q/k/v and gate/up fused"):
+    for name in order:
         base = statistics.median(results[(name, base_rows)])
         print(f"\n{name}: one decoder layer's linear calls")
         print(f"{'rows':>6} {'us/layer':>9} {'x ' + str(base_rows) + ' row':>9} {'ms/forward':>11}")
