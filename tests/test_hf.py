@@ -441,3 +441,33 @@ def test_unsupported_requests_fail_clearly(qwen3, drafter):
         with pytest.raises(InvalidInputError, match=message):
             qwen3.generate(**call)
         assert call["streamer"].ended == 1, message  # the streamer is ended on errors too
+
+
+def test_an_empty_cache_is_accepted_and_a_filled_one_refused(qwen3, drafter):
+    """transformers 5.24 hands the cache to custom_generate as ``cache`` (earlier releases as
+    ``past_key_values``); an empty one is what generate prepares, a filled one cannot be used."""
+    from transformers import DynamicCache
+
+    from caddtree.models.target import cache_argument
+
+    name = cache_argument(qwen3)
+    call = {
+        "inputs": torch.tensor([PROMPT]),
+        "attention_mask": torch.ones(1, len(PROMPT), dtype=torch.long),
+        "custom_generate": caddtree.hf.generate,
+        "assistant_model": drafter,
+        "method": "ddtree",
+        "budget": 4,
+        "max_new_tokens": 6,
+        "pad_token_id": 0,
+    }
+    plain = hf_generate(qwen3, PROMPT, 6, do_sample=False)
+    out = qwen3.generate(**call, **{name: DynamicCache(config=qwen3.config)})
+    assert out[0, len(PROMPT) :].tolist() == plain
+
+    filled = DynamicCache(config=qwen3.config)
+    with torch.no_grad():
+        qwen3(torch.tensor([PROMPT]), use_cache=True, **{name: filled})
+    assert filled.get_seq_length() == len(PROMPT)
+    with pytest.raises(InvalidInputError, match=f"cannot continue from a filled {name}"):
+        qwen3.generate(**call, **{name: filled})

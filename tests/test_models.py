@@ -94,6 +94,12 @@ def sequential(model, ids: list[int]):
         return model(torch.tensor([ids]), use_cache=True, output_hidden_states=True)
 
 
+def _output_cache(output):
+    """The KV cache a forward returned: ``cache`` from transformers 5.24 on, ``past_key_values``
+    before (reading the old name on 5.24 warns)."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     torch.testing.assert_close(actual, expected, atol=tol, rtol=0)
 
@@ -339,7 +345,7 @@ def test_commit_compacts_the_cache_exactly(target, kind, reserve):
     committed = prompt + [bonus] + path_tokens(tree, node)
     reference = sequential(model, committed)
     assert verifier.context_length == len(committed)
-    for ours, theirs in zip(verifier.cache.layers, reference.past_key_values.layers, strict=True):
+    for ours, theirs in zip(verifier.cache.layers, _output_cache(reference).layers, strict=True):
         assert ours.keys.shape == theirs.keys.shape
         assert_close(ours.keys, theirs.keys, tol)
         assert_close(ours.values, theirs.values, tol)
@@ -683,3 +689,31 @@ def test_freed_heap_memory_goes_back_to_the_system():
     return_freed_memory()
     assert rss_mib() < before - 64, (before, rss_mib())
     assert keep.sum().item() == 16 * 1024
+
+
+def test_verifier_passes_the_cache_under_the_name_the_model_takes(qwen3):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` and warns on the old name: the
+    verifier passes the cache under whichever name ``forward``'s signature has."""
+    import inspect
+
+    verifier = TreeVerifier(qwen3, FEATURE_LAYER_IDS)
+    names = inspect.signature(qwen3.forward).parameters
+    expected = "cache" if "cache" in names else "past_key_values"
+    seen: list[set[str]] = []
+    forward = qwen3.forward
+
+    def spy(*args, **kwargs):
+        seen.append(set(kwargs))
+        return forward(*args, **kwargs)
+
+    qwen3.forward = spy
+    try:
+        verifier.reset()
+        verifier.prefill(prompt_ids())
+        verifier.verify(3, random_tree(1))
+    finally:
+        del qwen3.forward
+    assert len(seen) == 2
+    for kwargs in seen:
+        assert expected in kwargs
+        assert not ({"cache", "past_key_values"} - {expected}) & kwargs

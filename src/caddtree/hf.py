@@ -32,8 +32,9 @@ generator, as ``generate`` does (``torch.manual_seed`` makes it reproducible).
 
 Not supported, each refused with a clear error rather than ignored: a batch of several prompts
 (call ``generate`` once per prompt), padding, ``num_beams > 1``, ``num_return_sequences > 1``,
-``output_attentions`` / ``output_hidden_states``, ``inputs_embeds`` and a pre-filled
-``past_key_values``. The returned output holds no ``past_key_values``.
+``output_attentions`` / ``output_hidden_states``, ``inputs_embeds`` and a pre-filled KV cache
+(``cache``, called ``past_key_values`` before transformers 5.24). The returned output holds no
+cache.
 
 Stop strings: transformers 5 (checked with 5.23) does not pass ``tokenizer=`` on to a callable
 ``custom_generate``, so ``stop_strings=`` cannot be built into a criterion there; give them as a
@@ -60,6 +61,7 @@ from .checks import check_method, check_stop, check_tree_budgets
 from .cost import CostModel
 from .decoding import GenerationStats, make_policy
 from .errors import InvalidInputError
+from .models.target import CACHE_ARGUMENTS
 from .sampling import Sampler
 
 __all__ = ["DEFAULT_DDTREE_BUDGET", "CaddtreeGenerateOutput", "generate"]
@@ -69,7 +71,7 @@ DEFAULT_DDTREE_BUDGET = 64
 
 # model_kwargs that generate() prepares for every decoder-only call and that need nothing from us
 _PREPARED_KWARGS = frozenset(
-    {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache"}
+    {"attention_mask", "position_ids", "logits_to_keep", *CACHE_ARGUMENTS, "use_cache"}
 )
 
 
@@ -199,11 +201,15 @@ def _check_request(input_ids: Any, config: Any, model_kwargs: dict[str, Any]) ->
             "the attention mask has zeros (padding), which caddtree does not support; pass the "
             "prompt without padding (an attention mask of all ones, or none)"
         )
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
-        raise InvalidInputError(
-            "caddtree keeps its own KV cache and cannot continue from past_key_values; leave it out"
-        )
+    for name in CACHE_ARGUMENTS:
+        cache = model_kwargs.get(name)
+        if cache is not None and (
+            not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0
+        ):
+            raise InvalidInputError(
+                f"caddtree keeps its own KV cache and cannot continue from a filled {name}; "
+                "leave it out"
+            )
     other = sorted(
         k for k, v in model_kwargs.items() if v is not None and k not in _PREPARED_KWARGS
     )

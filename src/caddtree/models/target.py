@@ -25,6 +25,7 @@ nodes in **one** target forward pass over the ``q = n + 1`` tokens ``[b] + nodes
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -41,7 +42,9 @@ from .attention import GQA_SDPA
 from .kvcache import ReservedLayer, reserved_cache
 
 __all__ = [
+    "CACHE_ARGUMENTS",
     "TreeVerifier",
+    "cache_argument",
     "check_model_location",
     "checkpoint_errors",
     "compact_cache",
@@ -51,6 +54,17 @@ __all__ = [
 ]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager", GQA_SDPA)
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+"""The names of a transformers model's KV-cache input: ``cache`` from transformers 5.24 on,
+``past_key_values`` before (5.24 still takes it, with a deprecation warning)."""
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache (see :data:`CACHE_ARGUMENTS`),
+    read from its signature, so that no transformers release warns about a deprecated name."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), CACHE_ARGUMENTS[-1])
 
 
 # ---- loading checkpoints ------------------------------------------------------------------------
@@ -277,6 +291,7 @@ class TreeVerifier:
                 f"feature layer ids {list(ids)} are not all layers of a {n_layers}-layer model"
             )
         self.model = model
+        self._cache_name = cache_argument(model)
         self.feature_layer_ids = ids
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         embeddings = model.get_input_embeddings().weight
@@ -320,7 +335,7 @@ class TreeVerifier:
         out = self.model(
             input_ids=ids,
             position_ids=positions.unsqueeze(0),
-            past_key_values=self.cache,
+            **{self._cache_name: self.cache},
             use_cache=True,
             output_hidden_states=self._hidden_state_selection(),
             logits_to_keep=1,
@@ -352,7 +367,7 @@ class TreeVerifier:
             input_ids=ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             attention_mask=mask,
-            past_key_values=self.cache,
+            **{self._cache_name: self.cache},
             use_cache=True,
             output_hidden_states=self._hidden_state_selection(),
         )
