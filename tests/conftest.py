@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from caddtree.models import TreeVerifier
+from caddtree.models.lean import LeanVerifier
 from tiny_models import MASK_TOKEN_ID, new_drafter, qwen3_target, saved_drafter
 from tiny_tokenizer import tiny_tokenizer
 
@@ -20,6 +22,16 @@ def qwen3():
 def drafter(qwen3):
     """A random DFlash drafter for :func:`qwen3`."""
     return new_drafter(qwen3)
+
+
+VERIFIERS = {"transformers": TreeVerifier, "lean": LeanVerifier}
+"""The verifier of each runtime (``--runtime``)."""
+
+
+@pytest.fixture(params=list(VERIFIERS))
+def verifier_type(request):
+    """Each runtime's verifier class in turn: the lossless tests run on both."""
+    return VERIFIERS[request.param]
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,38 @@ from __future__ import annotations
 
 import torch
 
+from caddtree.decoding import decode, make_policy
+from caddtree.models import TreeVerifier
+from tiny_models import FEATURE_LAYER_IDS
+
+
+def decode_with(
+    model,
+    prompt,
+    method,
+    policy_kwargs,
+    proposer,
+    max_new_tokens,
+    *,
+    verifier_type=TreeVerifier,
+    trees=None,
+    **options,
+):
+    """:func:`decode` of ``prompt`` on a fresh verifier of ``verifier_type`` (the runtime) with
+    ``method``'s policy; an :class:`OracleProposer` is told the committed tokens, and with a list
+    as ``trees``, ``(tree, round stats)`` of every round is appended to it. ``options`` go to
+    :func:`decode` (stop tokens, sampler, stopping criteria)."""
+    return decode(
+        verifier_type(model, FEATURE_LAYER_IDS),
+        prompt,
+        make_policy(method, **policy_kwargs),
+        proposer=proposer,
+        max_new_tokens=max_new_tokens,
+        callback=proposer.observe if isinstance(proposer, OracleProposer) else None,
+        tree_callback=None if trees is None else (lambda t, r: trees.append((t, r))),
+        **options,
+    )
+
 
 class OracleProposer:
     """A drafter that 'copies the target': it runs the target itself on the committed tokens.

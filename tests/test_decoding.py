@@ -15,7 +15,7 @@ from caddtree.cost import PiecewiseLinearCurve
 from caddtree.decoding import Proposer, decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
 from caddtree.sampling import Sampler
-from oracle import OracleProposer
+from oracle import OracleProposer, decode_with
 from sampling_checks import chi_square_pvalue, hf_generate, sharp_qwen3
 from tiny_models import FEATURE_LAYER_IDS, MAX_POSITIONS, VOCAB, llama_target, new_drafter
 
@@ -43,28 +43,16 @@ POLICIES = [
 ]
 
 
-def run(
-    model, prompt, method, kwargs, proposer, max_new_tokens, stops=(), sampler=None, trees=None
-):
-    """Decode; with a list as ``trees``, append ``(tree, round stats)`` of every round to it."""
-    verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
-    callback = proposer.observe if isinstance(proposer, OracleProposer) else None
-    return decode(
-        verifier,
-        prompt,
-        make_policy(method, **kwargs),
-        proposer=proposer,
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=stops,
-        sampler=sampler,
-        callback=callback,
-        tree_callback=None if trees is None else (lambda t, r: trees.append((t, r))),
+def run(model, prompt, method, kwargs, proposer, max_new_tokens, stops=(), **options):
+    """Decode with :func:`decode_with`; ``stops`` are stop token ids."""
+    return decode_with(
+        model, prompt, method, kwargs, proposer, max_new_tokens, stop_token_ids=stops, **options
     )
 
 
 @pytest.mark.parametrize("drafter_kind", ["dflash", "noisy-oracle", "oracle"])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["p5", "p10", "p1"])
-def test_greedy_equals_ar_for_every_method(qwen3, drafter, prompt, drafter_kind):
+def test_greedy_equals_ar_for_every_method(qwen3, drafter, prompt, drafter_kind, verifier_type):
     n_new = 30
     reference = hf_generate(qwen3, prompt, n_new, do_sample=False)
     assert len(reference) == n_new
@@ -75,7 +63,7 @@ def test_greedy_equals_ar_for_every_method(qwen3, drafter, prompt, drafter_kind)
             proposer = OracleProposer(
                 qwen3, prompt, mode="noisy" if "noisy" in drafter_kind else "onehot"
             )
-        result = run(qwen3, prompt, method, kwargs, proposer, n_new)
+        result = run(qwen3, prompt, method, kwargs, proposer, n_new, verifier_type=verifier_type)
         assert result.token_ids == reference, (method, kwargs)
         stats = result.stats
         assert stats.new_tokens == n_new and stats.stop_reason == "max_new_tokens"
@@ -88,17 +76,18 @@ def test_greedy_equals_ar_for_every_method(qwen3, drafter, prompt, drafter_kind)
             assert [r.accepted for r in stats.per_round[:-1]] == [depth] * (stats.rounds - 1)
 
 
-def test_greedy_equals_ar_on_llama():
+def test_greedy_equals_ar_on_llama(verifier_type):
     model = llama_target()
     drafter = new_drafter(model, seed=5)
     for prompt in PROMPTS[:2]:
         reference = hf_generate(model, prompt, 25, do_sample=False)
         for method, kwargs in POLICIES:
             proposer = DFlashProposer(drafter, model) if method != "ar" else None
-            assert run(model, prompt, method, kwargs, proposer, 25).token_ids == reference
+            result = run(model, prompt, method, kwargs, proposer, 25, verifier_type=verifier_type)
+            assert result.token_ids == reference
 
 
-def test_stop_token_in_the_middle_of_a_tree(qwen3):
+def test_stop_token_in_the_middle_of_a_tree(qwen3, verifier_type):
     prompt = PROMPTS[0]
     free = hf_generate(qwen3, prompt, 30, do_sample=False)
     # a stop token that first appears well inside the output, so it lands inside an accepted path
@@ -109,7 +98,9 @@ def test_stop_token_in_the_middle_of_a_tree(qwen3):
     cut_inside_tree = []
     for method, kwargs in POLICIES:
         proposer = OracleProposer(qwen3, prompt) if method != "ar" else None
-        result = run(qwen3, prompt, method, kwargs, proposer, 30, stops={stop})
+        result = run(
+            qwen3, prompt, method, kwargs, proposer, 30, stops={stop}, verifier_type=verifier_type
+        )
         assert result.token_ids == reference, (method, kwargs)
         assert result.stats.stop_reason == "stop_token"
         last = result.stats.per_round[-1]
@@ -119,13 +110,22 @@ def test_stop_token_in_the_middle_of_a_tree(qwen3):
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 6, 7, 13])
-def test_max_new_tokens_boundary(qwen3, max_new_tokens):
+def test_max_new_tokens_boundary(qwen3, max_new_tokens, verifier_type):
     prompt = PROMPTS[1]
     reference = hf_generate(qwen3, prompt, max_new_tokens, do_sample=False)
     for method, kwargs in POLICIES:
         proposer = OracleProposer(qwen3, prompt) if method != "ar" else None
         trees = []
-        result = run(qwen3, prompt, method, kwargs, proposer, max_new_tokens, trees=trees)
+        result = run(
+            qwen3,
+            prompt,
+            method,
+            kwargs,
+            proposer,
+            max_new_tokens,
+            trees=trees,
+            verifier_type=verifier_type,
+        )
         assert result.token_ids == reference, (method, kwargs)
         # never drafts a node that could not be committed: a round that starts with `produced`
         # tokens out (the prefill's token included) commits at most max_new_tokens - produced,
@@ -141,7 +141,7 @@ def test_max_new_tokens_boundary(qwen3, max_new_tokens):
             assert any(len(t) for t, _ in trees)
 
 
-def test_acceptance_is_not_cut_short(qwen3):
+def test_acceptance_is_not_cut_short(qwen3, verifier_type):
     """A drafter whose drafts are always right reaches the maximum acceptance length B."""
     prompt = PROMPTS[0]
     block = 6
@@ -151,13 +151,14 @@ def test_acceptance_is_not_cut_short(qwen3):
         ("ddtree", {"budget": 8}),
         *[("caddtree", {"cost_model": m}) for m in cost_models()[:1]],
     ]:
-        result = run(qwen3, prompt, method, kwargs, OracleProposer(qwen3, prompt, block), n_new)
+        proposer = OracleProposer(qwen3, prompt, block)
+        result = run(qwen3, prompt, method, kwargs, proposer, n_new, verifier_type=verifier_type)
         assert result.token_ids == hf_generate(qwen3, prompt, n_new, do_sample=False)
         assert [r.accepted for r in result.stats.per_round] == [block - 1] * 4
         assert result.stats.tau == block
 
 
-def test_sampling_is_lossless():
+def test_sampling_is_lossless(verifier_type):
     """At temperature 1 the first three generated tokens are distributed as the target's.
 
     The first token comes from the prefill; the second and third come from walking a DDTree built
@@ -182,6 +183,7 @@ def test_sampling_is_lossless():
             proposer,
             4,
             sampler=Sampler(1.0, seed=1000 + i),
+            verifier_type=verifier_type,
         )
         for k, tok in enumerate(result.token_ids[:3]):
             counts[k, tok] += 1

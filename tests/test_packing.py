@@ -138,16 +138,26 @@ def make_gen(dtype, **kwargs):
     )
 
 
+def linear_count(*models) -> int:
+    return sum(isinstance(m, torch.nn.Linear) for model in models for m in model.modules())
+
+
 def test_the_generator_packs_both_models_on_the_cpu_unless_told_not_to():
-    gen = make_gen(torch.float32)
-    linears = sum(
-        isinstance(m, torch.nn.Linear)
-        for model in (gen.target, gen.drafter)
-        for m in model.modules()
-    )
+    gen = make_gen(torch.float32, runtime="transformers")
+    linears = linear_count(gen.target, gen.drafter)
     assert gen.packed_layers == packed_linear_count(gen.target, gen.drafter) == linears
     assert make_gen(torch.float32, pack_weights=False).packed_layers == 0
     assert make_gen(torch.float64).packed_layers == 0
+
+
+def test_the_lean_runtime_packs_its_fused_layers_and_the_models_heads():
+    """q/k/v, o, gate/up and down of each of the 4 layers as 4 packed weights; of the target's own
+    modules only the LM head (the drafter's projection and the lean forward both call it)."""
+    gen = make_gen(torch.float32)
+    assert gen.runtime == "lean"
+    assert gen.verifier.packed_layers() == 4 * 4
+    assert packed_linear_count(gen.target) == 1
+    assert gen.packed_layers == 16 + 1 + linear_count(gen.drafter)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

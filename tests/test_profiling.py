@@ -341,7 +341,7 @@ def test_the_grid_is_measured_in_interleaved_passes(tiny_generator, monkeypatch)
 
     def timed_verify(bonus, tree):
         slow = 0.25 if len(calls) in spell else 0.0
-        calls.append((verifier.context_length, len(tree), type(verifier.cache.layers[0]).__name__))
+        calls.append((verifier.context_length, len(tree), verifier.cache_capacity()))
         time.sleep(0.002 + 0.0002 * len(tree) + slow)
         return verify(bonus, tree)
 
@@ -356,7 +356,8 @@ def test_the_grid_is_measured_in_interleaved_passes(tiny_generator, monkeypatch)
             assert 0.002 + 0.0002 * n <= seconds < 0.002 + 0.0002 * n + 0.125, (length, n, seconds)
     points = collections.Counter((max(length, 1), n) for length in lengths for n in counts)
     assert collections.Counter(call[:2] for call in calls) == {p: 4 for p in points}
-    assert {call[2] for call in calls} == {"ReservedLayer"}
+    (capacity,) = {call[2] for call in calls}  # room reserved once, as decoding reserves it
+    assert capacity >= 16 + 32 + 1
     per_pass = len(lengths) * len(counts)
     assert [call[:2] for call in calls[:per_pass]] == [(16, n) for n in counts] + [
         (1, n) for n in counts

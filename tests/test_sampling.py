@@ -28,9 +28,9 @@ from transformers import (
 from caddtree import InvalidInputError, SpeculativeGenerator
 from caddtree.cli import main
 from caddtree.decoding import decode, make_policy
-from caddtree.models import DFlashProposer, TreeVerifier
+from caddtree.models import DFlashProposer
 from caddtree.sampling import Sampler
-from oracle import OracleProposer
+from oracle import OracleProposer, decode_with
 from sampling_checks import (
     MARGINAL_PROMPT,
     MARGINAL_SETTINGS,
@@ -42,23 +42,25 @@ from sampling_checks import (
     marginal_target,
     sharp_qwen3,
 )
-from tiny_models import FEATURE_LAYER_IDS, MASK_TOKEN_ID, VOCAB
+from tiny_models import MASK_TOKEN_ID, VOCAB
 from tiny_tokenizer import tiny_tokenizer
 
 PROMPTS = [[5, 17, 3, 44, 8], [70, 2, 2, 9, 31, 12, 60, 1, 0, 33]]
 
 
-def run(model, prompt, method, kwargs, proposer, max_new_tokens, sampler, criteria=None):
-    verifier = TreeVerifier(model, FEATURE_LAYER_IDS)
-    return decode(
-        verifier,
+def run(model, prompt, method, kwargs, proposer, max_new_tokens, sampler, criteria=None, **options):
+    """Decode with :func:`decode_with` (no drafter for AR)."""
+    proposer = proposer if method != "ar" else None
+    return decode_with(
+        model,
         prompt,
-        make_policy(method, **kwargs),
-        proposer=proposer if method != "ar" else None,
-        max_new_tokens=max_new_tokens,
+        method,
+        kwargs,
+        proposer,
+        max_new_tokens,
         sampler=sampler,
         stopping_criteria=criteria,
-        callback=proposer.observe if isinstance(proposer, OracleProposer) else None,
+        **options,
     )
 
 
@@ -105,7 +107,7 @@ def test_the_sampler_builds_the_processors_generate_builds(qwen3):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["p5", "p10"])
-def test_greedy_with_a_repetition_penalty_equals_generate(qwen3, drafter, prompt):
+def test_greedy_with_a_repetition_penalty_equals_generate(qwen3, drafter, prompt, verifier_type):
     n_new = 30
     penalty = 1.3
     reference = hf_generate(qwen3, prompt, n_new, do_sample=False, repetition_penalty=penalty)
@@ -120,8 +122,9 @@ def test_greedy_with_a_repetition_penalty_equals_generate(qwen3, drafter, prompt
                 proposer = OracleProposer(
                     qwen3, prompt, processors=[RepetitionPenaltyLogitsProcessor(penalty)]
                 )
+            sampler = Sampler(repetition_penalty=penalty)
             result = run(
-                qwen3, prompt, method, kwargs, proposer, n_new, Sampler(repetition_penalty=penalty)
+                qwen3, prompt, method, kwargs, proposer, n_new, sampler, verifier_type=verifier_type
             )
             assert result.token_ids == reference, (method, kind)
             if kind == "oracle":
@@ -194,7 +197,7 @@ class UniformProposer:
         pass
 
 
-def test_sampled_tokens_are_distributed_as_the_processed_target():
+def test_sampled_tokens_are_distributed_as_the_processed_target(verifier_type):
     """2,000 generations of three tokens through a DDTree; each token's marginal against the exact
     one under transformers' processors with the right context, chi-square at alpha = 1e-3.
 
@@ -204,7 +207,7 @@ def test_sampled_tokens_are_distributed_as_the_processed_target():
     that forgets the node's own token in the context (the repetition penalty's context)."""
     vocab = 16
     model, prompt = marginal_target(vocab), MARGINAL_PROMPT
-    verifier = TreeVerifier(model, ())
+    verifier = verifier_type(model, ())
     policy = make_policy("ddtree", budget=vocab)
     n = 2000
     counts = np.zeros((3, vocab))

@@ -22,6 +22,7 @@ from .checks import (
     _chat_messages,
     check_chat_template_kwargs,
     check_int,
+    check_runtime,
     check_stop,
     check_text,
     check_tree_budgets,
@@ -128,6 +129,24 @@ def _no_template_kwargs(kwargs: dict[str, Any], why: str) -> None:
         )
 
 
+def _verifier(target: Any, layer_ids: Sequence[int], runtime: str, pack: bool) -> Any:
+    """The target's verifier on ``runtime`` (``auto``: the lean one where it runs the model)."""
+    from .models.lean import LeanVerifier, lean_unsupported
+    from .models.target import TreeVerifier
+
+    if runtime != "transformers":
+        reason = lean_unsupported(target)
+        if reason is None:
+            return LeanVerifier(target, layer_ids, pack=pack)
+        if runtime == "lean":
+            raise InvalidInputError(
+                f"runtime 'lean' cannot run this target: {reason}; use runtime 'transformers' "
+                "(--runtime transformers)"
+            )
+        logger.info("the target runs on transformers' forward: the lean runtime %s", reason)
+    return TreeVerifier(target, layer_ids)
+
+
 class SpeculativeGenerator:
     """A target model, its tokenizer and (optionally) a DFlash drafter, ready to generate.
 
@@ -136,8 +155,11 @@ class SpeculativeGenerator:
     method: identical to plain greedy decoding at temperature 0, and distributed as the target's
     sampling at temperature > 0.
 
-    On the CPU the linear layers of both models are packed for oneDNN unless ``pack_weights`` is
-    false (:mod:`caddtree.models.packing`); ``packed_layers`` says how many were.
+    The target runs on ``runtime`` (:data:`caddtree.checks.RUNTIMES`): ``"auto"`` (the default)
+    picks caddtree's lean forward (:mod:`caddtree.models.lean`) wherever it runs the model (Llama
+    family, Qwen3), else transformers' own; ``self.runtime`` says which was picked. On the CPU the
+    linear layers are packed for oneDNN unless ``pack_weights`` is false
+    (:mod:`caddtree.models.packing`); ``packed_layers`` says how many were.
     """
 
     def __init__(
@@ -149,11 +171,12 @@ class SpeculativeGenerator:
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         context_window: int | None = None,
         pack_weights: bool = True,
+        runtime: str = "auto",
     ):
         from .models.packing import pack_linear_layers
         from .models.proposer import DFlashProposer
-        from .models.target import TreeVerifier
 
+        check_runtime(runtime)
         self.target = target.eval()
         self.tokenizer = tokenizer
         self.drafter = drafter.eval() if drafter is not None else None
@@ -161,12 +184,17 @@ class SpeculativeGenerator:
             DFlashProposer(self.drafter, self.target) if self.drafter is not None else None
         )
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
-        self.verifier = TreeVerifier(self.target, layer_ids)
+        self.verifier = _verifier(self.target, layer_ids, runtime, pack_weights)
+        self.runtime = self.verifier.runtime
         # On the CPU, lay the linear layers' weights out for oneDNN once instead of every call
         # (caddtree.models.packing); elsewhere, and with pack_weights=False, this packs nothing.
+        # The lean runtime packs its own fused copies; of the target it still calls the LM head.
         head = self.proposer.lm_head if self.proposer is not None else None
+        own = self.target if self.runtime == "transformers" else self.target.lm_head
         self.packed_layers = (
-            pack_linear_layers(self.target, self.drafter, head) if pack_weights else 0
+            pack_linear_layers(own, self.drafter, head) + self.verifier.packed_layers()
+            if pack_weights
+            else 0
         )
         if context_window is not None:
             self.set_context_window(context_window)
@@ -208,6 +236,7 @@ class SpeculativeGenerator:
         gguf_file: str | None = None,
         context_window: int | None = None,
         pack_weights: bool = True,
+        runtime: str = "auto",
         **target_kwargs: Any,
     ) -> SpeculativeGenerator:
         """Load a transformers causal LM (a local directory or hub id) with SDPA attention (on the
@@ -216,7 +245,8 @@ class SpeculativeGenerator:
         format (``draft``; optional for ``ar``).
         ``context_window``: see :meth:`set_context_window` (default: the model's window).
         ``pack_weights``: on the CPU, lay the linear layers' weights out for oneDNN once
-        (:mod:`caddtree.models.packing`: faster, one more copy of those weights in memory)."""
+        (:mod:`caddtree.models.packing`: faster, one more copy of those weights in memory).
+        ``runtime``: the target's forward, see the class docstring."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from .models.attention import preferred_attention
@@ -224,6 +254,7 @@ class SpeculativeGenerator:
         from .models.target import check_model_location, checkpoint_errors
 
         check_int("context_window", context_window, minimum=2, allow_none=True)  # before loading
+        check_runtime(runtime)
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -266,6 +297,7 @@ class SpeculativeGenerator:
             cost_model=cost_model,
             context_window=context_window,
             pack_weights=pack_weights,
+            runtime=runtime,
         )
         gen.source = {"target": str(target), "draft": None if draft is None else str(draft)}
         return gen
@@ -341,8 +373,9 @@ class SpeculativeGenerator:
             "dtype": str(self.verifier.dtype),
             # verification costs differ between attention implementations (sdpa, caddtree_sdpa)
             "attention": getattr(self.target.config, "_attn_implementation", None),
-            # and with and without weights packed for oneDNN
+            # and with and without weights packed for oneDNN, and between runtimes
             "packed_layers": self.packed_layers,
+            "runtime": self.runtime,
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
             # 2: the grid measured in interleaved passes, in decoding's reserved cache; a model

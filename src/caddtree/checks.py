@@ -19,10 +19,16 @@ from .errors import CaddtreeError, InvalidInputError
 
 # The decoding methods: one round loop, four tree policies (caddtree.decoding).
 METHODS = ("ar", "dflash", "ddtree", "caddtree")
+RUNTIMES = ("auto", "lean", "transformers")
+"""The target's forward (``runtime=``, ``--runtime``): ``lean`` is caddtree's own
+(:mod:`caddtree.models.lean`: Llama family and Qwen3), ``transformers`` the model's own, ``auto``
+the lean one wherever it runs the model."""
 
 __all__ = [
     "METHODS",
+    "RUNTIMES",
     "check_method",
+    "check_runtime",
     "MAX_REPETITION_PENALTY",
     "MAX_TREE_NODES",
     "MIN_REPETITION_PENALTY",
@@ -78,6 +84,13 @@ def check_int(
 
 
 # ---- the arguments of a generation ---------------------------------------------------------------
+
+
+def check_runtime(runtime: Any) -> str:
+    """``runtime`` if it is one of :data:`RUNTIMES`; otherwise an error that lists them."""
+    if runtime not in RUNTIMES:
+        raise InvalidInputError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    return runtime
 
 
 def check_method(method: Any) -> str:

@@ -17,7 +17,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from .checks import METHODS
+from .checks import METHODS, RUNTIMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import SpeculativeGenerator
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "add_method_arguments",
-    "add_packing_argument",
+    "add_runtime_arguments",
     "add_pair_arguments",
     "add_target_argument",
     "check_pair_arguments",
@@ -60,11 +60,20 @@ def add_pair_arguments(parser: Any) -> None:
         help="the most tokens prompt and output may hold together (default: the target's "
         "max_position_embeddings); past the trained window, positions are extrapolated",
     )
-    add_packing_argument(parser)
+    add_runtime_arguments(parser)
 
 
-def add_packing_argument(parser: Any) -> None:
-    """``--no-weight-packing`` (``args.pack_weights``), as :func:`load_pair` takes it."""
+def add_runtime_arguments(parser: Any) -> None:
+    """``--runtime`` and ``--no-weight-packing`` (``args.runtime``, ``args.pack_weights``), as
+    :func:`load_pair` takes them."""
+    parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="auto",
+        help="the target's forward: 'lean' is caddtree's own (Llama family and Qwen3; fused, "
+        "packed weights and a static KV cache), 'transformers' the model's own, 'auto' (the "
+        "default) the lean one wherever it runs the model",
+    )
     parser.add_argument(
         "--no-weight-packing",
         dest="pack_weights",
@@ -141,6 +150,7 @@ def load_pair_of(args: argparse.Namespace, *, with_drafter: bool = True) -> Spec
         with_drafter=with_drafter,
         context_window=getattr(args, "context_window", None),
         pack_weights=getattr(args, "pack_weights", True),
+        runtime=getattr(args, "runtime", "auto"),
     )
 
 
@@ -155,12 +165,13 @@ def load_pair(
     with_drafter: bool = True,
     context_window: int | None = None,
     pack_weights: bool = True,
+    runtime: str = "auto",
 ) -> SpeculativeGenerator:
     """The generator of ``target`` and ``draft`` (both ``None``: the built-in pair, in bfloat16 for
     ``dtype="auto"``), without its drafter unless ``with_drafter``. For ``method="caddtree"`` its
     cost model is ``cost_model``, else the cached one for this machine (profiled on first use).
     ``context_window``: see :meth:`~caddtree.api.SpeculativeGenerator.set_context_window`;
-    ``pack_weights``: see :meth:`~caddtree.api.SpeculativeGenerator.from_pretrained`.
+    ``pack_weights``, ``runtime``: see :meth:`~caddtree.api.SpeculativeGenerator.from_pretrained`.
     ``generator.source`` names the models loaded."""
     from .api import SpeculativeGenerator
     from .defaults import resolve_model_pair
@@ -174,6 +185,7 @@ def load_pair(
         cost_model=cost_model,
         context_window=context_window,
         pack_weights=pack_weights,
+        runtime=runtime,
     )
     if method == "caddtree" and gen.cost_model is None:
         # no silent fallback: profile this machine once (cached), and say so

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..checks import check_int
 from ..errors import InvalidInputError
-from ..loading import add_packing_argument
+from ..loading import add_runtime_arguments
 from .methods import DEFAULT_BUDGETS, DEFAULT_METHODS, default_ar_dtypes, parse_methods
 from .runner import BenchConfig, barrier, generator_dtype, init_distributed, run_bench
 
@@ -31,7 +31,7 @@ def add_arguments(p: Any) -> None:
         "excepted)",
     )
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    add_packing_argument(p)
+    add_runtime_arguments(p)
     p.add_argument(
         "--datasets",
         nargs="+",
@@ -140,6 +140,7 @@ def cli_main(args: Any) -> int:
         dtype=args.dtype,
         device=device,
         pack_weights=args.pack_weights,
+        runtime=args.runtime,
     )
     main_dtype = generator_dtype(gen)
     if args.methods is None:  # the default list: also AR in the dtype that may be faster here
@@ -154,6 +155,7 @@ def cli_main(args: Any) -> int:
             dtype=s.dtype,
             device=gen.verifier.device,
             pack_weights=args.pack_weights,
+            runtime=args.runtime,
         )
         for s in specs
         if s.dtype is not None and s.dtype != main_dtype
@@ -179,6 +181,7 @@ def cli_main(args: Any) -> int:
         "threads": torch.get_num_threads(),
         # linear layers packed for oneDNN (caddtree.models.packing): they change every timing
         "packed_layers": gen.packed_layers,
+        "runtime": gen.runtime,
         "cost_model": args.cost_model or "profiled on this machine (cached)",
         "command": shlex.join(["caddtree", "bench", *sys.argv[2:]])
         if len(sys.argv) > 1 and sys.argv[1] == "bench"

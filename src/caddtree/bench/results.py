@@ -199,6 +199,7 @@ RUN_KEYS = (
     "seed",
     "cost_model_digest",
     "packed_layers",
+    "runtime",
 )
 """The settings in ``results.meta.json`` that change the measurements: a resumed run must match
 the earlier one in these."""

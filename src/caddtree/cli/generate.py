@@ -124,6 +124,8 @@ def generate(args: argparse.Namespace) -> int:
                         dtype=dtype,
                         device=device,
                         context_window=args.context_window,
+                        pack_weights=args.pack_weights,
+                        runtime=args.runtime,
                     )
                 )
 

@@ -53,6 +53,7 @@ def profile(args: argparse.Namespace) -> int:
         device=args.device,
         context_window=args.context_window,
         pack_weights=args.pack_weights,
+        runtime=args.runtime,
     )
     longest = profiling.max_profile_context_length(gen.verifier, gen.proposer)
     if args.context_lengths is None:

@@ -35,7 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["available_memory", "pack_linear_layers", "packed_linear_count", "unpack_linear_layers"]
+__all__ = [
+    "available_memory",
+    "pack_linear_layers",
+    "pack_weight",
+    "packed_linear",
+    "packed_linear_count",
+    "unpack_linear_layers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +101,26 @@ def _kernels_work(dtype: torch.dtype) -> bool:
 
 
 _WORKS: dict[torch.dtype, bool] = {}
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a linear ``weight`` [out, in] for :func:`packed_linear`, or
+    ``None`` where packing does not apply (not on the CPU, another dtype, no working kernel)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.is_meta:
+        return None
+    if weight.dtype not in _WORKS:
+        _WORKS[weight.dtype] = _kernels_work(weight.dtype)
+    if not _WORKS[weight.dtype]:
+        return None
+    with torch.no_grad():
+        return _pack(weight)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight's :func:`pack_weight` copy."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _packable(layer: nn.Module) -> bool:

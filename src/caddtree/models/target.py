@@ -276,7 +276,6 @@ class TreeVerifier:
     """
 
     def __init__(self, model: PreTrainedModel, feature_layer_ids: Sequence[int]) -> None:
-        config = model.config.get_text_config()
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in SUPPORTED_ATTENTION:
             raise InvalidInputError(
@@ -284,6 +283,15 @@ class TreeVerifier:
                 f"'{GQA_SDPA}' (arbitrary 4D masks); the model uses {attention!r}: load it with "
                 "attn_implementation='sdpa'"
             )
+        self._setup(model, feature_layer_ids)
+        self._cache_name = cache_argument(model)
+        self.reset()
+        for layer_idx, layer in enumerate(self.cache.layers):
+            _check_full_attention(layer_idx, layer)
+
+    def _setup(self, model: PreTrainedModel, feature_layer_ids: Sequence[int]) -> None:
+        """What every runtime keeps: the model, its feature layers, window, device and dtype."""
+        config = model.config.get_text_config()
         n_layers = int(config.num_hidden_layers)
         ids = tuple(int(i) for i in feature_layer_ids)
         if any(not 0 <= i < n_layers for i in ids):
@@ -291,14 +299,10 @@ class TreeVerifier:
                 f"feature layer ids {list(ids)} are not all layers of a {n_layers}-layer model"
             )
         self.model = model
-        self._cache_name = cache_argument(model)
         self.feature_layer_ids = ids
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         embeddings = model.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
-        self.reset()
-        for layer_idx, layer in enumerate(self.cache.layers):
-            _check_full_attention(layer_idx, layer)
 
     @property
     def context_length(self) -> int:
@@ -310,12 +314,61 @@ class TreeVerifier:
         coming generation may fill (prompt, output and its largest tree); on the CPU its cache then
         writes in place into room reserved once (:mod:`caddtree.models.kvcache`) rather than
         re-copying itself every round."""
+        self._new_cache(reserve)
+        self._length = 0
+        self._pending: tuple[DraftTree, torch.Tensor] | None = None
+
+    # ---- the runtime: transformers' forward (a subclass may run another) ------------------------
+
+    runtime = "transformers"
+    """The name of the forward this verifier runs (``--runtime``)."""
+
+    def packed_layers(self) -> int:
+        """Linear layers the runtime packed itself (transformers' are packed on the model)."""
+        return 0
+
+    def cache_capacity(self) -> int:
+        """Positions the KV cache has room for without growing (0: it grows as it fills)."""
+        return int(getattr(self.cache.layers[0], "capacity", 0)) if self.cache.layers else 0
+
+    def cache_bytes(self) -> int:
+        """Bytes of keys and values the KV cache holds now."""
+        return sum(
+            layer.keys.nbytes + layer.values.nbytes
+            for layer in self.cache.layers
+            if getattr(layer, "is_initialized", False)
+        )
+
+    def _new_cache(self, reserve: int | None) -> None:
         if reserve is not None and self.device.type == "cpu":
             self.cache = reserved_cache(self.model.config, reserve)
         else:
             self.cache = DynamicCache(config=self.model.config)
-        self._length = 0
-        self._pending: tuple[DraftTree, torch.Tensor] | None = None
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None, last_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over ``ids`` [q] at ``positions`` [q], appended to the cache after the
+        committed context: causal among themselves when ``tree`` is ``None`` (a prefill), else
+        ``[bonus] + tree`` under tree attention. Returns logits [q, V] (only the last row, [1, V],
+        when ``last_only``) and the context features [q, k*H]."""
+        start = self._length
+        # A lone token needs no mask; passing none keeps transformers' fastest path.
+        mask = tree_attention_mask(tree, start, self.dtype, self.device) if tree else None
+        out = self.model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=mask,
+            **{self._cache_name: self.cache},
+            use_cache=True,
+            output_hidden_states=self._hidden_state_selection(),
+            logits_to_keep=1 if last_only else 0,
+        )
+        return out.logits[0], self._features(out.hidden_states, ids[None])[0]
+
+    def _compact(self, prefix_length: int, keep: Sequence[int]) -> None:
+        """Keep the first ``prefix_length`` cache entries, then the ones at ``keep`` after them."""
+        compact_cache(self.cache, prefix_length, keep)
 
     @torch.no_grad()
     def prefill(self, input_ids: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,22 +379,15 @@ class TreeVerifier:
         """
         if self._pending is not None:
             raise InvalidInputError("commit() the pending verification before prefilling")
-        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(self.device)
-        n_new = ids.shape[1]
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(self.device)
+        n_new = ids.shape[0]
         if n_new == 0:
             raise InvalidInputError("prefill needs at least one token")
         self._check_positions(self._length + n_new, f"the prompt is too long: {n_new} tokens")
         positions = torch.arange(self._length, self._length + n_new, device=self.device)
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions.unsqueeze(0),
-            **{self._cache_name: self.cache},
-            use_cache=True,
-            output_hidden_states=self._hidden_state_selection(),
-            logits_to_keep=1,
-        )
+        logits, features = self._forward(ids, positions, None, last_only=True)
         self._length += n_new
-        return out.logits[0, -1], self._features(out.hidden_states, ids)
+        return logits[-1], features[None]
 
     @torch.no_grad()
     def verify(self, bonus_token: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,19 +407,9 @@ class TreeVerifier:
             (np.concatenate(([int(bonus_token)], tree.token_ids)), tree_position_ids(tree, start))
         )
         ids, positions = torch.from_numpy(ids_and_positions).to(self.device, non_blocking=True)
-        # A lone bonus token needs no mask; passing none keeps transformers' fastest path.
-        mask = tree_attention_mask(tree, start, self.dtype, self.device) if len(tree) else None
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            attention_mask=mask,
-            **{self._cache_name: self.cache},
-            use_cache=True,
-            output_hidden_states=self._hidden_state_selection(),
-        )
-        features = self._features(out.hidden_states, ids.unsqueeze(0))
-        self._pending = (tree, features)
-        return out.logits[0], features[0]
+        logits, features = self._forward(ids, positions, tree, last_only=False)
+        self._pending = (tree, features[None])
+        return logits, features
 
     @torch.no_grad()
     def commit(self, accepted: Sequence[int]) -> torch.Tensor:
@@ -389,7 +425,7 @@ class TreeVerifier:
         tree, features = self._pending
         accepted = [int(i) for i in accepted]
         _check_path(tree, accepted)
-        compact_cache(self.cache, self._length, accepted)
+        self._compact(self._length, accepted)
         self._length += len(accepted)
         self._pending = None
         if accepted == list(range(len(accepted))):
@@ -405,7 +441,7 @@ class TreeVerifier:
             raise InvalidInputError(
                 f"cannot truncate a {self._length}-token context to {length} tokens"
             )
-        compact_cache(self.cache, int(length))
+        self._compact(int(length), [])
         self._length = int(length)
 
     # ---- internals ------------------------------------------------------------------------------

@@ -1,0 +1,559 @@
+"""caddtree's own forward for Llama-family and Qwen3 targets: the ``lean`` runtime.
+
+transformers' forward is the reference, and it pays a fixed cost on every call that a round of
+speculative decoding cannot afford on a CPU: its module stack, a ``DynamicCache``, rotary tables
+recomputed per call, mask building, per-call checks. On the built-in SmolLM2 target, about half of
+a one-token forward was that overhead. :class:`LeanTarget` runs the same arithmetic directly:
+
+* **Weights, laid out once.** q/k/v are fused into one linear and gate/up into another; on the CPU
+  each fused weight is packed for oneDNN (:func:`~caddtree.models.packing.pack_weight`) and only
+  the packed copy is kept. The LM head and the embeddings are the model's own modules.
+* **A static KV cache**: per layer one key and one value tensor ``[slots, kv_heads, capacity,
+  head_dim]``, written by position index. Row ``j`` of a call for sequence ``s`` is written at
+  ``start_s + j``; :meth:`LeanTarget.compact` moves an accepted tree path in place. Nothing is
+  concatenated per step; the cache grows (copied once into room half as large again) only when a
+  call outgrows it.
+* **Rotary tables** computed once by the model's own rotary module (so every static RoPE type the
+  model supports is reproduced exactly), extended when a longer context asks for more.
+* **Grouped-query attention** without repeated keys/values: one row per sequence stacks the query
+  heads that share a key/value head as that head's queries (no mask needed); more rows go to
+  ``scaled_dot_product_attention(..., enable_gqa=True)`` under a boolean mask.
+* **Several sequences per call** (:class:`Rows`): each sequence owns a cache slot; its rows attend
+  to its slot's first ``start`` entries and, among themselves, as its ``visibility`` says (a tree's
+  ancestors, or causally for a prompt). The linear layers run once over all rows of all sequences.
+
+It reproduces transformers' arithmetic op for op (RMSNorm in float32 as transformers computes it,
+the same rotary tables and rotation), so float64 logits equal transformers' to rounding. The
+hidden states after the drafter's feature layers come out of the same pass.
+
+:func:`lean_unsupported` says why a model cannot run here (another architecture, a RoPE that
+depends on the sequence length, sliding windows, ...); such models keep transformers' forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidInputError
+from ..tree import DraftTree
+from .packing import pack_weight, packed_linear
+from .target import TreeVerifier
+
+__all__ = ["LEAN_MODEL_TYPES", "LeanTarget", "LeanVerifier", "Rows", "lean_unsupported"]
+
+LEAN_MODEL_TYPES = ("llama", "qwen3")
+"""``config.model_type`` values the lean runtime runs (Llama family: Llama 2/3, SmolLM2, ...)."""
+
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn", None)
+_MIN_CAPACITY = 256
+
+
+def lean_unsupported(model: Any) -> str | None:
+    """Why ``model`` cannot run on :class:`LeanTarget`, or ``None`` if it can."""
+    config = model.config.get_text_config()
+    kind = getattr(config, "model_type", None)
+    if kind not in LEAN_MODEL_TYPES:
+        return f"its architecture ({kind!r}) is not one of {', '.join(LEAN_MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"its activation is {config.hidden_act!r}, not silu"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in _STATIC_ROPE:
+        return f"its RoPE type {rope!r} depends on the sequence length"
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        return "it has sliding-window layers"
+    if (getattr(config, "pretraining_tp", 1) or 1) != 1:
+        return "it splits its linear layers (pretraining_tp > 1)"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "it does not have the model.layers / lm_head layout of transformers' Llama"
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+            if not isinstance(linear, nn.Linear):
+                return f"its attention projections are {type(linear).__name__}, not nn.Linear"
+        for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if not isinstance(linear, nn.Linear):
+                return f"its MLP projections are {type(linear).__name__}, not nn.Linear"
+    weight = model.get_input_embeddings().weight
+    if not weight.dtype.is_floating_point or weight.device.type not in ("cpu", "cuda"):
+        return f"its weights are {weight.dtype} on {weight.device.type}"
+    return None
+
+
+class _Linear:
+    """A linear layer over a weight made here (a fused one): oneDNN's packed copy alone where
+    packing applies, else the plain weight."""
+
+    __slots__ = ("bias", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+        self.packed = pack_weight(weight) if pack else None
+        self.weight = None if self.packed is not None else weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fused(linears: Sequence[nn.Linear], pack: bool) -> _Linear:
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
+                for b, linear in zip(biases, linears)
+            ]
+        )
+    return _Linear(weight, bias, pack)
+
+
+class _Layer(NamedTuple):
+    input_norm: torch.Tensor
+    qkv: _Linear
+    qk_norm: torch.Tensor | None  # Qwen3: q_norm's weight for each query head, then k_norm's
+    o: _Linear
+    post_norm: torch.Tensor
+    gate_up: _Linear
+    down: _Linear
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalised in float32, scaled in the input dtype. Op for op
+    in float64 (whose tests compare with transformers to rounding); torch's own kernel, one call
+    instead of eight, in the dtypes that compute in float32 anyway (float32: the same numbers;
+    half dtypes: one rounding fewer). ``weight`` [D], or [heads, D] for x [..., heads, D]."""
+    if x.dtype is not torch.float64:
+        if weight.ndim == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight  # a weight per head
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it, ``x * cos + rotate_half(x) * sin``, in three ops:
+    ``rotate_half(x) * sin`` is ``[x2, x1] * [-sin_1, sin_2]`` (``signed_sin``), and swapping the
+    halves is a flip of the ``[2, D/2]`` view."""
+    shape = x.shape
+    swapped = x.unflatten(-1, (2, shape[-1] // 2)).flip(-2).reshape(shape)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+@dataclass
+class Rows:
+    """The rows of one :meth:`LeanTarget.forward` call: ``len(slots)`` sequences, the rows of
+    each consecutive. Build it with :meth:`single` or :meth:`batch`.
+
+    * ``tokens``, ``positions`` [N]: token ids and rotary positions of every row;
+    * ``slots``, ``starts``, ``counts``: per sequence, its cache slot, the cache entries before its
+      rows (they are written at ``start .. start + count - 1``) and how many rows it has;
+    * ``mask``: [B, 1, n_max, L] boolean (True: may attend), or ``None`` where no mask is needed
+      (one row per sequence, each seeing all its ``start + 1`` keys, all of one length);
+    * ``causal``: a single sequence with no cache before it and causal rows (SDPA's own mask).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: list[int]
+    starts: list[int]
+    counts: list[int]
+    mask: torch.Tensor | None
+    causal: bool = False
+    write_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot, cache entry) per row
+    padded_index: torch.Tensor | None = None  # row -> b * n_max + j, for several sequences
+
+    @property
+    def length(self) -> int:
+        """Keys attended over: the longest sequence's cache entries plus rows."""
+        return max(s + c for s, c in zip(self.starts, self.counts))
+
+    @property
+    def n_max(self) -> int:
+        return max(self.counts)
+
+    @classmethod
+    def single(
+        cls,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        visibility: np.ndarray | None,
+        slot: int = 0,
+    ) -> Rows:
+        """One sequence's ``tokens`` after ``start`` cache entries; ``visibility`` [n, n] says
+        which rows see which (``None``: causal, as a prompt)."""
+        n = int(tokens.shape[0])
+        if n == 1:
+            return cls(tokens, positions, [slot], [start], [1], None)
+        if visibility is None and start == 0:
+            return cls(tokens, positions, [slot], [start], [n], None, causal=True)
+        mask = torch.ones((1, 1, n, start + n), dtype=torch.bool)
+        mask[0, 0, :, start:] = _visibility(visibility, n)
+        return cls(tokens, positions, [slot], [start], [n], mask.to(tokens.device))
+
+    @classmethod
+    def batch(
+        cls,
+        sequences: Sequence[tuple[int, int, Sequence[int], Sequence[int], np.ndarray | None]],
+        device: torch.device | str,
+    ) -> Rows:
+        """Several sequences, each ``(slot, start, tokens, positions, visibility)`` as in
+        :meth:`single`; slots must differ."""
+        if len(sequences) == 1:
+            slot, start, tokens, positions, visibility = sequences[0]
+            ids = torch.as_tensor(np.asarray([tokens, positions], dtype=np.int64)).to(device)
+            return cls.single(ids[0], ids[1], start, visibility, slot)
+        slots = [int(s[0]) for s in sequences]
+        if len(set(slots)) != len(slots):
+            raise InvalidInputError(f"each sequence of a call needs its own cache slot: {slots}")
+        starts = [int(s[1]) for s in sequences]
+        counts = [len(s[2]) for s in sequences]
+        if min(counts) < 1:
+            raise InvalidInputError("every sequence of a call needs at least one row")
+        n_max, length = max(counts), max(s + c for s, c in zip(starts, counts))
+        mask = np.zeros((len(sequences), 1, n_max, length), dtype=bool)
+        for b, (start, count, seq) in enumerate(zip(starts, counts, sequences)):
+            mask[b, 0, :count, :start] = True
+            mask[b, 0, :count, start : start + count] = _visibility(seq[4], count)
+            mask[b, 0, count:, 0] = True  # padding rows: any one key, never read
+        row_b = np.repeat(np.arange(len(sequences)), counts)
+        row_j = np.concatenate([np.arange(c) for c in counts])
+        flat = np.stack(
+            (
+                np.concatenate([np.asarray(s[2], dtype=np.int64) for s in sequences]),
+                np.concatenate([np.asarray(s[3], dtype=np.int64) for s in sequences]),
+                np.asarray(slots, dtype=np.int64)[row_b],
+                np.asarray(starts, dtype=np.int64)[row_b] + row_j,
+                row_b * n_max + row_j,
+            )
+        )
+        flat_t = torch.from_numpy(flat).to(device)
+        uniform = n_max == 1 and len(set(starts)) == 1
+        return cls(
+            flat_t[0],
+            flat_t[1],
+            slots,
+            starts,
+            counts,
+            None if uniform else torch.from_numpy(mask).to(device),
+            write_index=(flat_t[2], flat_t[3]),
+            padded_index=flat_t[4],
+        )
+
+
+def _visibility(visibility: np.ndarray | torch.Tensor | None, n: int) -> torch.Tensor:
+    if visibility is None:
+        return torch.ones((n, n), dtype=torch.bool).tril_()
+    visible = torch.as_tensor(np.asarray(visibility, dtype=bool))
+    if visible.shape != (n, n):
+        raise InvalidInputError(f"a visibility of shape {tuple(visible.shape)} for {n} rows")
+    return visible
+
+
+class LeanTarget:
+    """The forward of a Llama-family or Qwen3 causal LM (see the module docstring).
+
+    Args:
+        model: a transformers ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (or one of the same
+            layout); :func:`lean_unsupported` must say ``None``. Its weights are read once, here:
+            rebuild the runtime after changing them.
+        feature_layer_ids: decoder layers whose outputs :meth:`forward` returns, concatenated.
+        pack: on the CPU, keep the fused weights packed for oneDNN.
+    """
+
+    def __init__(self, model: Any, feature_layer_ids: Sequence[int], *, pack: bool = True) -> None:
+        reason = lean_unsupported(model)
+        if reason is not None:
+            raise InvalidInputError(f"the lean runtime cannot run this model: {reason}")
+        config = model.config.get_text_config()
+        self.model = model
+        self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.eps = float(config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        embeddings = model.get_input_embeddings().weight
+        self.device, self.dtype = embeddings.device, embeddings.dtype
+        self.pack = bool(pack)
+        self.layers = [self._layer(layer) for layer in model.model.layers]
+        self.qk_v_sizes = [(self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim]
+        self.slots, self.capacity = 0, 0
+        self._written: list[int] = []
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._cos = self._sin = torch.empty(0)
+
+    def _layer(self, layer: Any) -> _Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(attention, "q_norm", None)
+        qk_norm = None
+        if q_norm is not None:
+            qk_norm = torch.cat(
+                (
+                    q_norm.weight.detach().expand(self.heads, -1),
+                    attention.k_norm.weight.detach().expand(self.kv_heads, -1),
+                )
+            )
+        return _Layer(
+            layer.input_layernorm.weight.detach(),
+            _fused([attention.q_proj, attention.k_proj, attention.v_proj], self.pack),
+            qk_norm,
+            _fused([attention.o_proj], self.pack),
+            layer.post_attention_layernorm.weight.detach(),
+            _fused([mlp.gate_proj, mlp.up_proj], self.pack),
+            _fused([mlp.down_proj], self.pack),
+        )
+
+    # ---- the cache ------------------------------------------------------------------------------
+
+    def reserve(self, slots: int, capacity: int, keep: Sequence[int] = ()) -> None:
+        """Make room for ``slots`` sequences of ``capacity`` cache entries each (never less than
+        there is). ``keep``: per slot, how many entries hold data to carry into a larger cache."""
+        capacity = max(int(capacity), _MIN_CAPACITY)
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        slots, capacity = max(slots, self.slots), max(capacity, self.capacity)
+        if self.capacity:  # grow by half again at least, so growth copies O(1) per entry
+            capacity = max(capacity, self.capacity + self.capacity // 2)
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        old = (self.keys, self.values)
+        self.keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.values = [
+            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers
+        ]
+        for slot, used in enumerate(keep):
+            if used:
+                for new, prev in zip(self.keys + self.values, old[0] + old[1]):
+                    new[slot, :, :used] = prev[slot, :, :used]
+        self.slots, self.capacity = slots, capacity
+        # Per slot, how many leading entries hold numbers (written, or zeroed): a batched call
+        # attends over the longest sequence's keys, and the masked ones must not be NaN (a zero
+        # weight times NaN is NaN). Fresh memory is zeroed lazily, only as far as a call reaches.
+        self._written = [int(keep[s]) if s < len(keep) else 0 for s in range(slots)]
+
+    def _clear_garbage(self, rows: Rows) -> None:
+        """Zero the entries a call attends over that were never written (see :meth:`reserve`);
+        then count the call's own rows as written."""
+        length = rows.length
+        for slot, start, count in zip(rows.slots, rows.starts, rows.counts):
+            reach = length if len(rows.slots) > 1 else start
+            written = self._written[slot]
+            if written < reach:
+                for cache in self.keys + self.values:
+                    cache[slot, :, written:reach] = 0
+            self._written[slot] = max(written, reach, start + count)
+
+    def release(self) -> None:
+        """Let the cache go (:meth:`reserve` makes a new one)."""
+        self.keys, self.values, self._written = [], [], []
+        self.slots = self.capacity = 0
+
+    @torch.no_grad()
+    def compact(self, slot: int, prefix: int, keep: Sequence[int]) -> None:
+        """In ``slot``, move entries ``prefix + keep[i]`` to ``prefix + i`` (an accepted path of
+        a verified tree; ``keep`` in increasing order). A prefix of ``0, 1, ..`` moves nothing."""
+        keep = [int(i) for i in keep]
+        if keep == list(range(len(keep))):
+            return
+        index = torch.tensor(keep, device=self.device) + prefix
+        end = prefix + len(keep)
+        for cache in self.keys + self.values:
+            cache[slot, :, prefix:end] = cache[slot].index_select(1, index)
+
+    def _ensure_positions(self, needed: int) -> None:
+        """Rotary tables for positions ``0 .. needed - 1`` at least, by the model's own module."""
+        if needed <= self._cos.shape[0]:
+            return
+        size = max(needed, 2 * self._cos.shape[0], _MIN_CAPACITY)
+        rotary = self.model.model.rotary_emb
+        positions = torch.arange(size, device=self.device)[None]
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = rotary(probe, positions)
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+        self._cos, self._sin = cos[0].unsqueeze(1), signed[0].unsqueeze(1)  # [P, 1, D]
+
+    # ---- the forward ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self, rows: Rows, logits_rows: torch.Tensor | slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``rows`` through the model, writing their keys and values into the cache.
+
+        Returns the logits of the rows ``logits_rows`` selects (all when ``None``) [r, V] and the
+        feature layers' outputs of every row, concatenated [N, k*H] (``[N, 0]`` without any)."""
+        if rows.length > self.capacity or max(rows.slots) >= self.slots:
+            raise InvalidInputError(
+                f"rows up to cache entry {rows.length} of slot {max(rows.slots)} do not fit a "
+                f"cache of {self.slots} slots x {self.capacity} entries; reserve() first"
+            )
+        self._clear_garbage(rows)
+        self._ensure_positions(int(rows.positions.max()) + 1)
+        cos, sin = self._cos[rows.positions], self._sin[rows.positions]
+        x = self.model.model.embed_tokens(rows.tokens)
+        outputs: dict[int, torch.Tensor] = {}
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            x = self._decoder_layer(index, layer, x, cos, sin, rows)
+            if index in self.feature_layer_ids:
+                outputs[index] = x
+        # transformers' hidden states end with the final norm's output, not the last layer's
+        normed = self._final_norm(x if last in outputs or logits_rows is None else x[logits_rows])
+        if last in outputs:
+            outputs[last] = normed
+            normed = normed if logits_rows is None else normed[logits_rows]
+        features = (
+            torch.cat([outputs[i] for i in self.feature_layer_ids], -1)
+            if outputs
+            else x.new_zeros((x.shape[0], 0))
+        )
+        return self.model.lm_head(normed), features
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.model.model.norm.weight, self.eps)
+
+    def _decoder_layer(
+        self,
+        index: int,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: Rows,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        # q and k are neighbours in the fused output: normed (Qwen3) and rotated together
+        qk, v = layer.qkv(_rms_norm(x, layer.input_norm, self.eps)).split(self.qk_v_sizes, -1)
+        qk = qk.view(n, self.heads + self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        if layer.qk_norm is not None:
+            qk = _rms_norm(qk, layer.qk_norm, self.eps)
+        q, k = _rotate(qk, cos, sin).split((self.heads, self.kv_heads), 1)
+        self._write(index, k, v, rows)
+        x = x + layer.o(self._attend(index, q, rows))
+        gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, self.eps)).chunk(2, -1)
+        return x + layer.down(F.silu(gate) * up)
+
+    def _write(self, index: int, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
+        keys, values = self.keys[index], self.values[index]
+        if rows.write_index is None:  # one sequence: a slice
+            slot, start = rows.slots[0], rows.starts[0]
+            end = start + k.shape[0]
+            keys[slot, :, start:end] = k.transpose(0, 1)
+            values[slot, :, start:end] = v.transpose(0, 1)
+        else:
+            slots, entries = rows.write_index
+            keys[slots, :, entries] = k
+            values[slots, :, entries] = v
+
+    def _attend(self, index: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Attention of the rows' queries ``q`` [N, H, D] over their sequences' caches: [N, H*D]."""
+        n_seq, n_max, length = len(rows.slots), rows.n_max, rows.length
+        keys, values = self._cached(index, rows.slots, length)
+        groups = self.heads // self.kv_heads
+        if n_max == 1:  # stack the query heads that share a key/value head as its queries
+            out = F.scaled_dot_product_attention(
+                q.reshape(n_seq, self.kv_heads, groups, self.head_dim),
+                keys,
+                values,
+                attn_mask=rows.mask,
+                scale=self.scale,
+            )
+            return out.reshape(n_seq, self.heads * self.head_dim)
+        if n_seq == 1:
+            query = q.transpose(0, 1)[None]
+        else:
+            padded = q.new_zeros((n_seq * n_max, self.heads, self.head_dim))
+            padded[rows.padded_index] = q
+            query = padded.view(n_seq, n_max, self.heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=rows.mask,
+            is_causal=rows.causal,
+            scale=self.scale,
+            enable_gqa=groups > 1,
+        )
+        out = out.transpose(1, 2).reshape(n_seq * n_max, self.heads * self.head_dim)
+        return out if n_seq == 1 else out[rows.padded_index]
+
+    def _cached(
+        self, index: int, slots: list[int], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, length, D] of ``slots``: views when the slots are
+        consecutive, else one gather of the first ``length`` entries."""
+        keys, values = self.keys[index], self.values[index]
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            end = first + len(slots)
+            return keys[first:end, :, :length], values[first:end, :, :length]
+        index_t = torch.tensor(slots, device=keys.device)
+        return (
+            keys[:, :, :length].index_select(0, index_t),
+            values[:, :, :length].index_select(0, index_t),
+        )
+
+
+class LeanVerifier(TreeVerifier):
+    """:class:`~caddtree.models.target.TreeVerifier` on :class:`LeanTarget` (one sequence, in
+    slot 0): the same protocol, outputs and lossless guarantees, without transformers' forward.
+
+    ``pack``: on the CPU, keep the fused linear weights packed for oneDNN."""
+
+    runtime = "lean"
+
+    def __init__(self, model: Any, feature_layer_ids: Sequence[int], *, pack: bool = True) -> None:
+        self._setup(model, feature_layer_ids)
+        self.target = LeanTarget(model, self.feature_layer_ids, pack=pack)
+        self.reset()
+
+    def packed_layers(self) -> int:
+        return sum(
+            linear.packed is not None
+            for layer in self.target.layers
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+
+    def cache_capacity(self) -> int:
+        return self.target.capacity
+
+    def cache_bytes(self) -> int:
+        return sum(t.nbytes for t in self.target.keys + self.target.values)
+
+    def _new_cache(self, reserve: int | None) -> None:
+        """Room for ``reserve`` positions; ``None`` lets the cache go (it is made again, as large
+        as needed, by the next forward), so that a generation's memory is returned after it."""
+        if reserve is None:
+            self.target.release()
+        else:
+            self.target.reserve(1, reserve)
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None, last_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start, n = self._length, int(ids.shape[0])
+        if start + n > self.target.capacity:  # outgrown: carry the committed entries over
+            self.target.reserve(1, start + n, keep=[start])
+        visibility = tree.visibility_mask() if tree is not None and len(tree) else None
+        rows = Rows.single(ids, positions, start, visibility)
+        return self.target.forward(rows, slice(n - 1, n) if last_only else None)
+
+    def _compact(self, prefix_length: int, keep: Sequence[int]) -> None:
+        self.target.compact(0, prefix_length, keep)
