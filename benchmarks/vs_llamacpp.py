@@ -1,7 +1,8 @@
 """caddtree beside llama.cpp on the same weights (SmolLM2-135M-Instruct in BF16), in one run.
 
     python benchmarks/vs_llamacpp.py [--dtype bfloat16] [--repeats 3] [--prompts 0]
-                                     [--max-new-tokens 128] [--depth 300] [--rows 1 4 8 16]
+                                     [--max-new-tokens 128] [--context 0] [--depth 300]
+                                     [--rows 1 4 8 16]
                                      [--threads 2] [--bench-reps 5] [--runtime NAME]
                                      [--batched] [--json PATH]
 
@@ -25,7 +26,8 @@ caddtree / llama.cpp (below 1: caddtree is faster). Rows:
   time after the first token over the tokens after the first (the prompt's prefill excluded, as
   llama-bench excludes the depth). llama.cpp: ``llama-bench -p 0 -n NEW -d P``, NEW one-token
   forwards (no sampling) after a context of P tokens, P the prompts' mean length in tokens, so
-  that both decode over the same contexts.
+  that both decode over the same contexts. ``--context N`` brings every prompt to at least N
+  tokens with a fixed system message first (plain decoding "at a context of about 300").
 * CaDDTree, ms/token, with tau (tokens per round): the same generations with
   ``method="caddtree"`` and the cost model cached for this machine (profiled once if missing, as
   ``caddtree generate`` does). llama.cpp's column repeats its plain decoding: it has no tree
@@ -91,6 +93,18 @@ PROMPTS = [
     "Give three tips for writing readable code.",
 ]
 BATCHED_NPL = (1, 2, 4, 8)
+# With --context N, a system message of these sentences, repeated in turn, brings each chat
+# prompt to at least N tokens, so that plain decoding is timed at the context the runtime issue
+# names (about 300) rather than at a short prompt's.
+FILLER = [
+    "You are a helpful assistant for programmers, students and curious readers.",
+    " You answer in plain English and keep your answers short and correct.",
+    " When you write code, you use Python unless the user asks for another language,",
+    " you name functions for what they do, and you add a short docstring to each of them.",
+    " When a question is about arithmetic, you show each step of the calculation.",
+    " When a question is ambiguous, you say which reading you answered.",
+    " You do not invent facts, names or numbers that you are not sure of.",
+]
 
 
 def say(message: str) -> None:
@@ -305,13 +319,23 @@ def load_caddtree(args: argparse.Namespace) -> SpeculativeGenerator:
     return gen
 
 
+def chat(gen: SpeculativeGenerator, prompt: str, context: int) -> list[dict[str, str]]:
+    """``prompt`` as chat messages, after a system message of :data:`FILLER` sentences that
+    brings the templated prompt to at least ``context`` tokens (none for ``context`` 0)."""
+    messages = [{"role": "user", "content": prompt}]
+    system = ""
+    for k in range(1000):
+        full = [{"role": "system", "content": system}, *messages] if system else messages
+        if len(chat_template_ids(gen.tokenizer, full)) >= context:
+            return full
+        system += FILLER[k % len(FILLER)]
+    raise ValueError(f"--context {context} is out of reach")
+
+
 def prompt_depth(gen: SpeculativeGenerator, args: argparse.Namespace) -> int:
     """The mean length in tokens of the prompts caddtree decodes (chat template applied): the
     context llama.cpp's plain decoding starts from, so that both decode at the same contexts."""
-    lengths = [
-        len(chat_template_ids(gen.tokenizer, [{"role": "user", "content": prompt}]))
-        for prompt in PROMPTS[: 1 + args.prompts]
-    ]
+    lengths = [len(chat_template_ids(gen.tokenizer, messages)) for messages in args.chats]
     return round(statistics.mean(lengths))
 
 
@@ -349,8 +373,8 @@ def caddtree_forwards(gen: SpeculativeGenerator, args: argparse.Namespace) -> di
 def caddtree_generations(gen: SpeculativeGenerator, args: argparse.Namespace, method: str) -> list:
     """One generation per prompt; the statistics of each."""
     runs = []
-    for prompt in PROMPTS[: 1 + args.prompts]:
-        result = gen.generate(prompt, method, max_new_tokens=args.max_new_tokens, chat=True)
+    for messages in args.chats:
+        result = gen.generate(messages, method, max_new_tokens=args.max_new_tokens, chat=True)
         fields = ("new_tokens", "rounds", "tau", "wall_s", "prefill_s", "ms_per_token")
         stats = {k: getattr(result.stats, k) for k in fields}
         runs.append({"prompt_tokens": len(result.prompt_ids), **stats})
@@ -392,7 +416,7 @@ def caddtree_warmup(gen: SpeculativeGenerator, args: argparse.Namespace) -> None
         forward_s(gen, trees[n]), forward_s(gen, trees[n])
     gen.verifier.reset()
     for method in ("ar", "caddtree"):
-        gen.generate(PROMPTS[0], method, max_new_tokens=16, chat=True)
+        gen.generate(args.chats[0], method, max_new_tokens=16, chat=True)
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -507,6 +531,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every measurement")
     parser.add_argument("--prompts", type=int, default=0, help="chat prompts besides the README's")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="bring each prompt to at least this many tokens with a system message (decoding "
+        "rows; 0: the prompts as they are)",
+    )
     parser.add_argument("--depth", type=int, default=300, help="context before each forward")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -566,6 +597,7 @@ def main() -> None:
     gguf = bf16_gguf(bins)
     say("loading caddtree's built-in pair")
     gen = load_caddtree(args)
+    args.chats = [chat(gen, prompt, args.context) for prompt in PROMPTS[: 1 + args.prompts]]
     args.decode_depth = prompt_depth(gen, args)
     llama_warmup(bins, gguf, args)
     caddtree_warmup(gen, args)

@@ -376,7 +376,7 @@ def test_statistics_agree_with_the_rounds(qwen3):
         ({"stop": [""]}, "stop strings must be non-empty strings"),
         ({"stop": ["ok", 3]}, "stop strings must be non-empty strings"),
         ({"stop": 3}, "stop must be a string or a list of strings"),
-        ({"stop": ["\x1f"]}, "no token of the tokenizer can end the stop strings"),
+        ({"stop": ["\x1f"]}, "cannot write the stop string"),
         ({"chat_template_kwargs": [("enable_thinking", False)]}, "must be a dict"),
         ({"chat_template_kwargs": {"tokenize": False}}, "may not set 'tokenize'"),
         ({"chat_template_kwargs": {1: 2}}, "keys must be strings"),

@@ -569,6 +569,80 @@ def test_bad_requests_get_400(served, path, body, param):
         assert error["param"] == param, error
 
 
+# ---- three holes found by probing (issue 32) -------------------------------------------------------
+
+
+def test_deeply_nested_json_is_a_400_not_a_recursion_error(served, caplog):
+    depth = 100_000
+    with caplog.at_level("ERROR"):
+        status, _, reply = post(served, "/v1/chat/completions", "[" * depth + "]" * depth)
+    assert status == 400, reply
+    assert "nests" in reply["error"]["message"]
+    assert "RecursionError" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_stop_lists_are_capped_and_cost_memory_of_the_strings_only(served, reference):
+    from caddtree.checks import MAX_STOP_STRINGS
+    from caddtree.decoding import StopStrings
+
+    many = [f"never{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    status, _, reply = post(served, "/v1/chat/completions", json.dumps({**CHAT, "stop": many}))
+    assert status == 400 and reply["error"]["param"] == "stop"
+    assert f"at most {MAX_STOP_STRINGS}" in reply["error"]["message"]
+    status, _, reply = post(
+        served, "/v1/completions", json.dumps({"prompt": "hi", "stop": ["x" * 600]})
+    )
+    assert status == 400 and reply["error"]["param"] == "stop"
+    # the criterion keeps the strings and a window of tokens: nothing the size of the vocabulary
+    criterion = StopStrings(reference.tokenizer, many[:MAX_STOP_STRINGS])
+    assert criterion.window == max(len(s) for s in many) + 2
+    assert set(vars(criterion)) == {"tokenizer", "stops", "window"}
+    # the full list the server takes still answers at once, and stops where it should
+    c = client(served)
+    resp = c.completions.create(
+        model=MODEL,
+        prompt="hello there",
+        max_tokens=12,
+        temperature=0,
+        stop=many[: MAX_STOP_STRINGS - 1] + ["e"],
+        extra_body={"method": "ar"},
+    )
+    assert "e" not in resp.choices[0].text and resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_huge_body_gets_413_and_a_long_prompt_does_not_stall_health(tiny_pair_dirs, monkeypatch):
+    target, _ = tiny_pair_dirs
+    gen = SpeculativeGenerator.from_pretrained(target, None, dtype="float64", device="cpu")
+    app = build_app(gen, model_name=MODEL, method="ar", max_request_bytes=10_000)
+    server = Server(app)
+    entered, release = threading.Event(), threading.Event()
+    try:
+        body = json.dumps({"prompt": "x" * 20_000})
+        status, _, reply = post(server, "/v1/completions", body)
+        assert status == 413 and "10,000 bytes" in reply["error"]["message"]
+        # tokenising happens off the event loop: a slow tokenizer leaves /health answering
+        original = gen.encode
+
+        def slow_encode(*args, **kwargs):
+            entered.set()
+            release.wait(10)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(gen, "encode", slow_encode)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, server, "/v1/completions", json.dumps({"prompt": "hi"}))
+            assert entered.wait(10)
+            started = time.monotonic()
+            with urllib.request.urlopen(server.base + "/health", timeout=5) as resp:
+                assert resp.status == 200
+            assert time.monotonic() - started < 2
+            release.set()
+            assert pending.result(30)[0] == 200
+    finally:
+        release.set()
+        server.stop()
+
+
 def test_errors_through_the_client_and_the_server_stays_up(served):
     c = client(served)
     with pytest.raises(openai.BadRequestError) as info:

@@ -32,6 +32,7 @@ from .cost import CostModel, load_cost_model
 from .decoding import (
     GenerationResult,
     RoundStats,
+    StopStrings,
     TreePolicy,
     _criteria_list,
     decode,
@@ -84,19 +85,18 @@ def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
     return ids
 
 
-def stop_string_criterion(tokenizer: Any, stop_strings: list[str]) -> Any:
-    """transformers' ``StopStringCriteria`` for ``stop_strings`` (checked with :func:`check_stop`),
-    or a clear error when no token of ``tokenizer`` can end any of them."""
-    from transformers import StopStringCriteria
-
-    try:
-        return StopStringCriteria(tokenizer, stop_strings)
-    except ValueError:  # no token of the vocabulary can complete any of them
-        raise InvalidInputError(
-            f"no token of the tokenizer can end the stop strings {stop_strings!r} (their "
-            "characters are not in its vocabulary), so they could never stop generation; "
-            "leave them out"
-        ) from None
+def stop_string_criterion(tokenizer: Any, stop_strings: list[str]) -> StopStrings:
+    """A :class:`~caddtree.decoding.StopStrings` criterion for ``stop_strings`` (checked with
+    :func:`check_stop`), or a clear error when ``tokenizer`` cannot write one of them (its
+    characters encode to the unknown token), which could then never stop generation."""
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    for stop in stop_strings:
+        if unknown is not None and unknown in tokenizer.encode(stop, add_special_tokens=False):
+            raise InvalidInputError(
+                f"the tokenizer cannot write the stop string {stop!r} (its characters are not in "
+                "the vocabulary), so it could never stop generation; leave it out"
+            )
+    return StopStrings(tokenizer, stop_strings)
 
 
 def chat_template_ids(

@@ -11,6 +11,7 @@ neither.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,8 @@ __all__ = [
     "MAX_REPETITION_PENALTY",
     "MAX_TREE_NODES",
     "MIN_REPETITION_PENALTY",
+    "MAX_STOP_LENGTH",
+    "MAX_STOP_STRINGS",
     "MIN_TEMPERATURE",
     "RESERVED_CHAT_TEMPLATE_KWARGS",
     "check_chat_template_kwargs",
@@ -43,6 +46,7 @@ __all__ = [
     "is_int",
     "is_number",
     "prefix_count",
+    "stop_limit_problem",
     "token_ids",
 ]
 
@@ -241,9 +245,29 @@ def check_sampling(
     }
 
 
+MAX_STOP_STRINGS = 16
+"""The most stop strings one generation takes (OpenAI's API takes 4)."""
+MAX_STOP_LENGTH = 512
+"""The most characters of one stop string."""
+
+
+def stop_limit_problem(items: Sequence[Any]) -> str | None:
+    """What is wrong with the number or length of stop strings ``items``, or ``None``."""
+    if len(items) > MAX_STOP_STRINGS:
+        return f"{len(items)} stop strings were given; at most {MAX_STOP_STRINGS} are taken"
+    longest = max((len(s) for s in items if isinstance(s, str)), default=0)
+    if longest > MAX_STOP_LENGTH:
+        return (
+            f"a stop string of {longest} characters was given; at most {MAX_STOP_LENGTH} are "
+            "taken"
+        )
+    return None
+
+
 def check_stop(stop: Any) -> list[str]:
-    """Stop strings as a list: ``None`` is none, a string is one, a list or tuple holds several.
-    Each must be a non-empty string of valid UTF-8."""
+    """Stop strings as a list: ``None`` is none, a string is one, a list or tuple holds several
+    (at most :data:`MAX_STOP_STRINGS` of at most :data:`MAX_STOP_LENGTH` characters). Each must
+    be a non-empty string of valid UTF-8."""
     if stop is None:
         return []
     items = [stop] if isinstance(stop, str) else stop
@@ -251,6 +275,9 @@ def check_stop(stop: Any) -> list[str]:
         raise InvalidInputError(
             f"stop must be a string or a list of strings, got a value of type {type(stop).__name__}"
         )
+    problem = stop_limit_problem(items)
+    if problem is not None:
+        raise InvalidInputError(problem)
     out = []
     for item in items:
         if not isinstance(item, str) or not item:

@@ -33,6 +33,7 @@ from ..errors import CaddtreeError, InvalidInputError
 from .engine import Engine, Job, QueueFull, ShuttingDown, finish_reason
 from .metrics import ServerMetrics
 from .protocol import (
+    DEFAULT_MAX_REQUEST_BYTES,
     GenerationRequest,
     OpenAIError,
     StopText,
@@ -75,6 +76,7 @@ def build_app(
     max_new_tokens: int = 256,
     temperature: float = 1.0,
     max_queue: int = 8,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     retry_after_s: int = 1,
     cost_model_dir: str | os.PathLike[str] | None = None,
     on_round: Any = None,
@@ -89,7 +91,9 @@ def build_app(
     name inside ``cost_model_dir`` (requests may read no other file on the server; without a
     directory they may name none).
     ``max_queue`` requests may wait while one generates; one more gets HTTP 503 with
-    ``Retry-After: retry_after_s``. ``on_round(job)`` is a test hook, called by the worker thread
+    ``Retry-After: retry_after_s``. A body larger than ``max_request_bytes`` gets HTTP 413 before
+    it is read; JSON nested too deeply to parse gets HTTP 400. Prompts are tokenised off the event
+    loop, so a long one never stalls ``/health`` or the other requests' streams. ``on_round(job)`` is a test hook, called by the worker thread
     after every round.
     """
     if getattr(generator, "tokenizer", None) is None:
@@ -276,11 +280,35 @@ def build_app(
             if not get.done():
                 get.cancel()
 
+    async def read_body(request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it is known to pass the limit."""
+        declared = request.headers.get("content-length", "")
+        too_large = OpenAIError(
+            f"the request body is larger than this server takes ({max_request_bytes:,} bytes; "
+            "caddtree serve --max-request-bytes)",
+            status=413,
+            code="request_too_large",
+        )
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def handle(request: Request, kind: str) -> Response:
+        raw = await read_body(request)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise OpenAIError(
+                "the request body is not valid JSON here: it nests arrays or objects too deeply"
+            ) from None
         req = parse_request(body, kind)
         if req.model is not None and req.model != model_name:
             raise OpenAIError(
@@ -289,7 +317,7 @@ def build_app(
                 param="model",
                 code="model_not_found",
             )
-        prompt_ids = encode(req)
+        prompt_ids = await asyncio.to_thread(encode, req)  # a long prompt takes a while
         kwargs = generate_kwargs(req, len(prompt_ids))
         job = Job(prompt_ids, kwargs, stream=req.stream)
         try:

@@ -27,8 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import check_method, is_int, is_number
+from ..checks import check_method, is_int, is_number, stop_limit_problem
 from ..errors import InvalidInputError
+
+DEFAULT_MAX_REQUEST_BYTES = 2**21
+"""The largest request body ``caddtree serve`` reads by default (2 MiB: a prompt that fills the
+context of any model served here takes far less)."""
 
 __all__ = [
     "GenerationRequest",
@@ -247,6 +251,9 @@ def _stop(value: Any) -> list[str]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise OpenAIError("stop must be a non-empty string or a list of them", param="stop")
+    problem = stop_limit_problem(stops)
+    if problem is not None:
+        raise OpenAIError(problem, param="stop")
     return list(dict.fromkeys(stops))
 
 

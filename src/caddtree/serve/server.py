@@ -20,6 +20,7 @@ from ..checks import check_int
 from ..errors import CaddtreeError, InvalidInputError
 from ..loading import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
 from ..logs import run_command, stop_on_interrupt
+from .protocol import DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["add_arguments", "load_generator", "main"]
 
@@ -47,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_QUEUE,
         help="requests that may wait while one generates; one more gets HTTP 503 with "
         f"Retry-After (default {DEFAULT_MAX_QUEUE})",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="the largest request body taken; a larger one gets HTTP 413 before it is read "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES:,}, far more than the model's context fills)",
     )
     parser.add_argument(
         "--max-new-tokens",
@@ -98,6 +106,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     check_int("--max-budget", args.max_budget)
     check_int("--max-new-tokens", args.max_new_tokens)
     check_int("--max-queue", args.max_queue, minimum=0)
+    check_int("--max-request-bytes", args.max_request_bytes)
     check_int("--retry-after", args.retry_after, minimum=0)
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
@@ -165,6 +174,7 @@ def serve(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             max_queue=args.max_queue,
+            max_request_bytes=args.max_request_bytes,
             retry_after_s=args.retry_after,
             cost_model_dir=args.cost_model_dir,
         )
