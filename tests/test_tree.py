@@ -414,3 +414,79 @@ def test_torch_rows_on_the_cpu_are_read_like_numpy_rows():
         assert np.array_equal(got.token_ids, expected.token_ids)
         assert np.array_equal(got.parents, expected.parents)
         np.testing.assert_allclose(got.log_probs, expected.log_probs, atol=1e-4)
+
+
+# ---- the joint budget of a batch (issue 32) -------------------------------------------------------
+
+
+def _batch_costs(max_nodes: int, base: float, per_node: float, bend: float) -> np.ndarray:
+    """A convex, increasing round cost for n = 0 .. max_nodes nodes in all."""
+    n = np.arange(max_nodes + 1, dtype=np.float64)
+    return base + per_node * n + bend * n**2
+
+
+def _phi(logits: np.ndarray, n: int) -> float:
+    tree = build_ddtree(logits, n)
+    return float(np.exp(tree.log_probs).sum()) if len(tree) else 0.0
+
+
+def _batch_theta(split, phis, costs) -> float:
+    """The batch surrogate of ``split`` nodes per request: (B + sum Phi_i(n_i)) / cost(sum n_i)."""
+    return (len(split) + sum(p[k] for p, k in zip(phis, split))) / costs[sum(split)]
+
+
+def test_the_joint_budget_of_one_request_is_caddtree():
+    from caddtree.tree import build_joint_caddtrees
+
+    rng = np.random.default_rng(3)
+    model = ConvexCostModel(
+        {0: PiecewiseLinearCurve([0, 8, 64], [0.01, 0.012, 0.05])}, draft_cost=0.004
+    )
+    for _ in range(5):
+        logits = rng.normal(0, 2.5, size=(5, 40))
+        alone = build_caddtree(logits, model, 0, max_budget=48)
+        (joint,) = build_joint_caddtrees([logits], model.round_cost_table(0, 48), 48)
+        assert joint.token_ids.tolist() == alone.token_ids.tolist()
+        assert joint.parents.tolist() == alone.parents.tolist()
+
+
+def test_the_joint_budget_is_the_best_split_of_the_best_total():
+    """Brute force over every split of every total: no other choice of per-request node counts
+    has a higher batch surrogate, and each request's tree is its DDTree of that size."""
+    from caddtree.tree import build_joint_caddtrees
+
+    rng = np.random.default_rng(7)
+    for trial in range(6):
+        batch = 2 + trial % 2
+        drafts = [rng.normal(0, 1.0 + i, size=(4, 12)) for i in range(batch)]
+        max_nodes = 9
+        costs = _batch_costs(max_nodes, 1.0, 0.05 * (1 + trial), 0.01 * trial)
+        trees = build_joint_caddtrees(drafts, costs, max_nodes)
+        sizes = [len(t) for t in trees]
+        for tree, logits in zip(trees, drafts):
+            reference = build_ddtree(logits, len(tree))
+            assert tree.token_ids.tolist() == reference.token_ids.tolist()
+        phis = [[_phi(d, k) for k in range(max_nodes + 1)] for d in drafts]
+
+        best = max(
+            _batch_theta(split, phis, costs)
+            for split in itertools.product(range(max_nodes + 1), repeat=batch)
+            if sum(split) <= max_nodes
+        )
+        assert _batch_theta(sizes, phis, costs) == pytest.approx(best, rel=1e-12), (trial, sizes)
+        assert _batch_theta(sizes, phis, costs) >= batch / costs[0]  # never below batched AR
+
+
+def test_the_joint_budget_grows_with_cheaper_nodes_and_refuses_bad_costs():
+    from caddtree.tree import build_joint_caddtrees
+
+    rng = np.random.default_rng(11)
+    drafts = [rng.normal(0, 3.0, size=(6, 30)) for _ in range(4)]
+    steep = build_joint_caddtrees(drafts, _batch_costs(64, 1.0, 0.3, 0.0), 64)
+    flat = build_joint_caddtrees(drafts, _batch_costs(64, 1.0, 0.001, 0.0), 64)
+    assert sum(map(len, steep)) < sum(map(len, flat))
+    assert build_joint_caddtrees([], [1.0], 0) == []
+    with pytest.raises(InvalidInputError, match="one cost for each total"):
+        build_joint_caddtrees(drafts, [1.0, 2.0], 5)
+    with pytest.raises(InvalidInputError, match="finite and positive"):
+        build_joint_caddtrees(drafts, [1.0, -2.0], 1)

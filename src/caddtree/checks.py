@@ -258,8 +258,7 @@ def stop_limit_problem(items: Sequence[Any]) -> str | None:
     longest = max((len(s) for s in items if isinstance(s, str)), default=0)
     if longest > MAX_STOP_LENGTH:
         return (
-            f"a stop string of {longest} characters was given; at most {MAX_STOP_LENGTH} are "
-            "taken"
+            f"a stop string of {longest} characters was given; at most {MAX_STOP_LENGTH} are taken"
         )
     return None
 

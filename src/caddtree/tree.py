@@ -55,6 +55,7 @@ __all__ = [
     "build_caddtree",
     "build_chain",
     "build_ddtree",
+    "build_joint_caddtrees",
     "surrogate_throughput",
     "topk_log_probs",
 ]
@@ -468,72 +469,97 @@ class DraftTree:
 def _expand(
     cands: _Candidates, max_nodes: int, denominators: Sequence[float] | None = None
 ) -> DraftTree:
-    """Best-first expansion over prefixes in non-increasing prefix probability.
+    """One request's best-first expansion (:func:`_expand_many` with one request)."""
+    return _expand_many([cands], max_nodes, denominators)[0]
 
-    Pops at most ``max_nodes`` prefixes. With ``denominators`` (``draft_cost + verify_cost(n)`` for
-    ``n = 0 .. max_nodes``), it also stops at the first ``n`` where ``theta*(n+1) <= theta*(n)``
-    (Algorithm 1, Eq. stopping); without, it is DDTree's fixed budget.
 
-    A heap entry is ``(-score, parent_score, parent, depth, rank)``: the prefix made of the parent
-    node's path plus the ``rank``-th candidate at position ``depth``. Accepting it replaces it by
-    its next sibling (``rank + 1``) and pushes its first child (rank 0 at ``depth + 1``), so the
-    heap only ever holds the frontier of the best-first order.
+def _expand_many(
+    requests: Sequence[_Candidates], max_nodes: int, denominators: Sequence[float] | None = None
+) -> list[DraftTree]:
+    """Best-first expansion over the prefixes of several requests' drafts at once, in
+    non-increasing prefix probability across all of them; one tree per request.
 
-    Positions are read from ``cands`` only when the expansion reaches them, and only as far as it
-    goes. The first child pushed at a depth not read yet enters with rank ``-1`` and its parent's
-    score, an upper bound on its own (``log q <= 0``); that depth is read only when the bound
-    reaches the top of the heap (and, for the cost-aware rule, only if the bound does not already
-    stop the expansion). An entry's bound never sorts after its true key, so the order in which
-    nodes are accepted, and the tree, are those of reading every depth up front.
+    Pops at most ``max_nodes`` prefixes in all. With ``denominators`` (the round's cost with
+    ``n = 0 .. max_nodes`` nodes in all: ``draft_cost + verify_cost(n)`` for one request), it also
+    stops at the first ``n`` where ``theta*(n+1) <= theta*(n)``, ``theta*(n) = (R + Phi(n)) /
+    denominators[n]`` for ``R`` requests and ``Phi`` the probability mass of the ``n`` prefixes
+    taken (Algorithm 1, Eq. stopping; for several requests, the joint budget: each request's
+    prefix masses are non-increasing in its own best-first order, so taking the most probable
+    prefix of any request next gives, for every ``n``, the largest ``Phi`` any split of ``n``
+    nodes among the requests could have). Without ``denominators`` it is DDTree's fixed budget.
+
+    A heap entry is ``(-score, request, parent_score, parent, depth, rank)``: the prefix made of
+    the parent node's path (in that request's tree) plus the ``rank``-th candidate at position
+    ``depth``. Accepting it replaces it by its next sibling (``rank + 1``) and pushes its first
+    child (rank 0 at ``depth + 1``), so the heap only ever holds the frontier of the best-first
+    order.
+
+    Positions are read from a request's candidates only when the expansion reaches them, and only
+    as far as it goes. The first child pushed at a depth not read yet enters with rank ``-1`` and
+    its parent's score, an upper bound on its own (``log q <= 0``); that depth is read only when
+    the bound reaches the top of the heap (and, for the cost-aware rule, only if the bound does
+    not already stop the expansion). An entry's bound never sorts after its true key, so the order
+    in which nodes are accepted, and the trees, are those of reading every depth up front.
     """
+    popped: list[list[tuple[float, int, float, int, int, int]]] = [[] for _ in requests]
     if max_nodes <= 0:
-        return DraftTree.empty()
-    L = cands.depth
-    rows = [None] * L  # Python lists of log-probabilities, read when a depth is first reached
-    rows[0] = cands.row(0)
-    popped: list[tuple[float, float, int, int, int]] = []
-    record = popped.append
-    heap: list[tuple[float, float, int, int, int]] = [(-rows[0][0], 0.0, -1, 1, 0)]
+        return [DraftTree.empty() for _ in requests]
+    rows: list[list[list[float] | None]] = []
+    heap: list[tuple[float, int, float, int, int, int]] = []
+    for r, cands in enumerate(requests):
+        rows.append([None] * cands.depth)  # lists of log-probabilities, read when first reached
+        first = rows[r][0] = cands.row(0)
+        if first:
+            heap.append((-first[0], r, 0.0, -1, 1, 0))
+    heapq.heapify(heap)
+    counts = [0] * len(requests)  # nodes taken per request (the next node's index)
     heappush, heappop, heapreplace, exp = heapq.heappush, heapq.heappop, heapq.heapreplace, math.exp
     cost_aware = denominators is not None
     phi = 0.0
-    theta_prev = 1.0 / denominators[0] if cost_aware else 0.0
+    theta_prev = len(requests) / denominators[0] if cost_aware else 0.0
     n = 0
     while heap and n < max_nodes:
         item = heap[0]
         score = -item[0]
         if cost_aware:
             delta = exp(score)
-            theta_new = (1.0 + phi + delta) / denominators[n + 1]
+            theta_new = (len(requests) + phi + delta) / denominators[n + 1]
             if theta_new <= theta_prev:  # Eq. stopping: theta*(n+1) <= theta*(n)
                 break
-        _, pscore, parent, depth, rank = item
+        _, r, pscore, parent, depth, rank = item
+        request_rows = rows[r]
         if rank < 0:  # a first child at a depth not read yet: read it, re-sort the child
-            row = rows[depth - 1]
+            row = request_rows[depth - 1]
             if row is None:
-                row = rows[depth - 1] = cands.row(depth - 1)
+                row = request_rows[depth - 1] = requests[r].row(depth - 1)
             if row:
-                heapreplace(heap, (-(pscore + row[0]), pscore, parent, depth, 0))
+                heapreplace(heap, (-(pscore + row[0]), r, pscore, parent, depth, 0))
             else:
                 heappop(heap)
             continue
         if cost_aware:
             phi += delta
             theta_prev = theta_new
-        record(item)
+        popped[r].append(item)
         sibling = rank + 1
-        row = rows[depth - 1]
-        if sibling < len(row) or (cands.widen(depth - 1) and sibling < len(row)):
-            heapreplace(heap, (-(pscore + row[sibling]), pscore, parent, depth, sibling))
+        row = request_rows[depth - 1]
+        if sibling < len(row) or (requests[r].widen(depth - 1) and sibling < len(row)):
+            heapreplace(heap, (-(pscore + row[sibling]), r, pscore, parent, depth, sibling))
         else:
             heappop(heap)
-        if depth < L:
-            child_row = rows[depth]
+        if depth < len(request_rows):
+            child_row = request_rows[depth]
             if child_row is None:  # depth + 1 not read yet: an upper bound for now (see above)
-                heappush(heap, (-score, score, n, depth + 1, -1))
+                heappush(heap, (-score, r, score, counts[r], depth + 1, -1))
             elif child_row:
-                heappush(heap, (-(score + child_row[0]), score, n, depth + 1, 0))
+                heappush(heap, (-(score + child_row[0]), r, score, counts[r], depth + 1, 0))
+        counts[r] += 1
         n += 1
+    return [_tree(cands, taken) for cands, taken in zip(requests, popped)]
+
+
+def _tree(cands: _Candidates, popped: list[tuple[float, int, float, int, int, int]]) -> DraftTree:
+    """The tree of the heap entries ``popped`` (in the order taken) from ``cands``."""
     if not popped:
         return DraftTree.empty()
     cols = np.fromiter(popped, dtype=_HEAP_ENTRY, count=len(popped))
@@ -542,7 +568,14 @@ def _expand(
 
 
 _HEAP_ENTRY = np.dtype(
-    [("neg", "f8"), ("pscore", "f8"), ("parent", "i8"), ("depth", "i8"), ("rank", "i8")]
+    [
+        ("neg", "f8"),
+        ("request", "i8"),
+        ("pscore", "f8"),
+        ("parent", "i8"),
+        ("depth", "i8"),
+        ("rank", "i8"),
+    ]
 )
 
 
@@ -583,6 +616,36 @@ def build_caddtree(
     context_length = check_int("context_length", context_length, minimum=0)
     denominators = cost_model.round_cost_table(context_length, max_budget)
     return _expand(_Candidates(draft_logits), max_budget, denominators.tolist())
+
+
+def build_joint_caddtrees(
+    draft_logits: Sequence[Any], round_costs: Sequence[float], max_nodes: int = 1024
+) -> list[DraftTree]:
+    """CaDDTree's joint budget over a batch of requests verified in one forward: one tree each.
+
+    ``round_costs[n]`` is the batch round's cost with ``n`` tree nodes in all, besides every
+    request's bonus row (``C_d(B) + C_v(B + n; l_1 .. l_B)``), for ``n = 0 .. max_nodes``. The
+    trees maximise the batch surrogate ``sum_i (1 + Phi_i(n_i)) / round_costs[sum_i n_i]``: the
+    requests' prefixes are taken together in non-increasing prefix probability (for every total
+    ``n`` the most probable ``n`` prefixes, however they fall among the requests), and the total
+    grows while the surrogate does (Algorithm 1's stopping rule, optimal when ``round_costs`` is
+    convex, as for one request). ``n = 0`` is batched plain decoding: every request still verifies
+    its bonus row, so the surrogate is never below batched AR's. Each tree equals
+    :func:`build_ddtree` of its request with ``len(tree)`` nodes.
+    """
+    max_nodes = check_int("max_nodes", max_nodes, minimum=0)
+    costs = np.asarray(round_costs, dtype=np.float64)
+    if costs.ndim != 1 or costs.shape[0] < max_nodes + 1:
+        raise InvalidInputError(
+            f"round_costs needs one cost for each total of 0 .. {max_nodes} nodes, got "
+            f"{costs.shape[0] if costs.ndim == 1 else tuple(costs.shape)}"
+        )
+    if not (np.isfinite(costs).all() and (costs > 0).all()):
+        raise InvalidInputError("round_costs must be finite and positive")
+    if not draft_logits:
+        return []
+    requests = [_Candidates(logits) for logits in draft_logits]
+    return _expand_many(requests, max_nodes, costs[: max_nodes + 1].tolist())
 
 
 def surrogate_throughput(

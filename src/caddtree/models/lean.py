@@ -291,7 +291,10 @@ class LeanTarget:
         self.device, self.dtype = embeddings.device, embeddings.dtype
         self.pack = bool(pack)
         self.layers = [self._layer(layer) for layer in model.model.layers]
-        self.qk_v_sizes = [(self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim]
+        self.qk_v_sizes = [
+            (self.heads + self.kv_heads) * self.head_dim,
+            self.kv_heads * self.head_dim,
+        ]
         self.slots, self.capacity = 0, 0
         self._written: list[int] = []
         self.keys: list[torch.Tensor] = []
