@@ -324,10 +324,10 @@ def assert_same_tree(a, b):
 def test_lazy_reading_builds_the_reference_trees(depth, vocab, levels, budget, first_k, seed):
     """Logits drawn from a few levels, so ties are everywhere (within a row and between prefixes);
     a small first read forces the widening path."""
-    import caddtree.tree as tree_module
+    import caddtree.candidates as candidates_module
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tree_module, "FIRST_K", first_k)
+        mp.setattr(candidates_module, "FIRST_K", first_k)
         check_lazy_against_reference(depth, vocab, levels, budget, seed)
 
 
@@ -351,11 +351,12 @@ def check_lazy_against_reference(depth, vocab, levels, budget, seed):
 
 
 def test_widening_reads_only_what_the_expansion_reaches():
-    from caddtree.tree import FIRST_K, _Candidates, _expand
+    from caddtree.candidates import FIRST_K, Candidates
+    from caddtree.tree import _expand
 
     logits = np.random.default_rng(0).normal(size=(8, 5000))
     logits[0] *= 0.01  # a flat first position: a big tree goes deep into its candidates
-    cands = _Candidates(logits)
+    cands = Candidates(logits)
     tree = _expand(cands, 300)
     assert len(tree) == 300
     read = cands._k
