@@ -7,7 +7,9 @@ a one-token forward was that overhead. :class:`LeanTarget` runs the same arithme
 
 * **Weights, laid out once.** q/k/v are fused into one linear and gate/up into another; on the CPU
   each fused weight is packed for oneDNN (:func:`~caddtree.models.packing.pack_weight`) and only
-  the packed copy is kept. The LM head and the embeddings are the model's own modules.
+  the packed copy is kept (as much memory as packing the model's own layers took). Where nothing
+  is packed (CUDA, float64) the stacked q/k/v and gate/up weights are a second copy of the
+  model's; o, down, the LM head and the embeddings are the model's own tensors.
 * **A static KV cache**: per layer one key and one value tensor ``[slots, kv_heads, capacity,
   head_dim]``, written by position index. Row ``j`` of a call for sequence ``s`` is written at
   ``start_s + j``; :meth:`LeanTarget.compact` moves an accepted tree path in place. Nothing is
@@ -32,6 +34,7 @@ depends on the sequence length, sliding windows, ...); such models keep transfor
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -43,10 +46,12 @@ from torch import nn
 
 from ..errors import InvalidInputError
 from ..tree import DraftTree
-from .packing import pack_weight, packed_linear
+from .packing import available_memory, pack_weight, packed_linear
 from .target import TreeVerifier
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanTarget", "LeanVerifier", "Rows", "lean_unsupported"]
+
+logger = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
 """``config.model_type`` values the lean runtime runs (Llama family: Llama 2/3, SmolLM2, ...)."""
@@ -107,6 +112,12 @@ class _Linear:
 
 
 def _fused(linears: Sequence[nn.Linear], pack: bool) -> _Linear:
+    """One linear layer computing ``linears`` side by side (their outputs concatenated). A single
+    layer's weight is used as it is (no copy); several are stacked into a new weight, which on a
+    device without packing is a second copy of theirs (see the module docstring)."""
+    if len(linears) == 1:
+        bias = linears[0].bias
+        return _Linear(linears[0].weight.detach(), None if bias is None else bias.detach(), pack)
     weight = torch.cat([linear.weight.detach() for linear in linears])
     biases = [linear.bias for linear in linears]
     bias = None
@@ -118,6 +129,26 @@ def _fused(linears: Sequence[nn.Linear], pack: bool) -> _Linear:
             ]
         )
     return _Linear(weight, bias, pack)
+
+
+def _packing_fits(model: Any) -> bool:
+    """Whether packed copies of the decoder layers' linear weights take at most half the memory
+    available now (as :func:`~caddtree.models.packing.pack_linear_layers` asks); says so if not."""
+    needed = sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.model.layers.modules()
+        if isinstance(m, nn.Linear)
+    )
+    available = available_memory()
+    if available is None or needed <= available // 2:
+        return True
+    logger.warning(
+        "the lean runtime is not packing its linear weights for oneDNN: the packed copies would "
+        "take %.1f GiB, more than half the %.1f GiB available; decoding on the CPU runs slower",
+        needed / 2**30,
+        available / 2**30,
+    )
+    return False
 
 
 class _Layer(NamedTuple):
@@ -289,7 +320,7 @@ class LeanTarget:
         self.scale = self.head_dim**-0.5
         embeddings = model.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
-        self.pack = bool(pack)
+        self.pack = bool(pack) and _packing_fits(model)
         self.layers = [self._layer(layer) for layer in model.model.layers]
         self.qk_v_sizes = [
             (self.heads + self.kv_heads) * self.head_dim,
