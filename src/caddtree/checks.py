@@ -20,12 +20,15 @@ from .errors import CaddtreeError, InvalidInputError
 
 # The decoding methods: one round loop, four tree policies (caddtree.decoding).
 METHODS = ("ar", "dflash", "ddtree", "caddtree")
+DEFAULT_DDTREE_BUDGET = 64
+"""The node budget of ``method="ddtree"`` when none is given (every front door's default)."""
 RUNTIMES = ("auto", "lean", "transformers")
 """The target's forward (``runtime=``, ``--runtime``): ``lean`` is caddtree's own
 (:mod:`caddtree.models.lean`: Llama family and Qwen3), ``transformers`` the model's own, ``auto``
 the lean one wherever it runs the model."""
 
 __all__ = [
+    "DEFAULT_DDTREE_BUDGET",
     "METHODS",
     "RUNTIMES",
     "check_method",

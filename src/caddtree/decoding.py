@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .checks import check_int, check_method
+from .checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
 from .errors import InvalidInputError
 from .sampling import Sampler, TokenContext, walk_tree
 from .tree import DraftTree, build_caddtree, build_chain, build_ddtree
@@ -518,7 +518,11 @@ def decode(
     t_start = time.perf_counter()
     # room for every position the call may fill: the prompt, its output, and the last tree
     # (within the context window; without one, at most MAX_RESERVED, and the cache grows after)
-    tree_room = int(getattr(policy, "budget", None) or getattr(policy, "max_budget", None) or 64)
+    tree_room = int(
+        getattr(policy, "budget", None)
+        or getattr(policy, "max_budget", None)
+        or DEFAULT_DDTREE_BUDGET
+    )
     fill = len(prompt) + max_new_tokens
     fill = min(fill, verifier.max_positions or MAX_RESERVED)
     verifier.reset(reserve=fill + tree_room + 1)

@@ -57,7 +57,7 @@ from transformers import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .api import SpeculativeGenerator, stop_string_criterion
-from .checks import check_method, check_stop, check_tree_budgets
+from .checks import DEFAULT_DDTREE_BUDGET, check_method, check_stop, check_tree_budgets
 from .cost import CostModel
 from .decoding import GenerationStats, make_policy
 from .errors import InvalidInputError
@@ -66,8 +66,6 @@ from .sampling import Sampler
 
 __all__ = ["DEFAULT_DDTREE_BUDGET", "CaddtreeGenerateOutput", "generate"]
 
-DEFAULT_DDTREE_BUDGET = 64
-"""The node budget of ``method="ddtree"`` when none is given (the command line's default)."""
 
 # model_kwargs that generate() prepares for every decoder-only call and that need nothing from us
 _PREPARED_KWARGS = frozenset(

@@ -17,7 +17,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from .checks import METHODS, RUNTIMES
+from .checks import DEFAULT_DDTREE_BUDGET, METHODS, RUNTIMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import SpeculativeGenerator
@@ -93,14 +93,16 @@ def add_method_arguments(parser: Any, *, per_request: bool = False) -> None:
             "decoding method of a request that names none (a request may pick another with its "
             "'method' field; default caddtree)"
         )
-        budget_help = "node budget of a ddtree request that gives none (default 64)"
+        budget_help = (
+            f"node budget of a ddtree request that gives none (default {DEFAULT_DDTREE_BUDGET})"
+        )
         cost_help = (
             "of a caddtree request that names none (a request may name another with its "
             "'cost_model' field)"
         )
     else:
         method_help = "decoding method (default caddtree)"
-        budget_help = "node budget for --method ddtree (default 64)"
+        budget_help = f"node budget for --method ddtree (default {DEFAULT_DDTREE_BUDGET})"
         cost_help = "for --method caddtree"
     parser.add_argument("--method", choices=METHODS, default="caddtree", help=method_help)
     parser.add_argument("--budget", type=int, help=budget_help)

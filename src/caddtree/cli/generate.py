@@ -8,6 +8,7 @@ import statistics
 import sys
 
 from ..checks import (
+    DEFAULT_DDTREE_BUDGET,
     check_chat_template_kwargs,
     check_int,
     check_sampling,
@@ -76,7 +77,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.budget is not None and args.method != "ddtree":
         raise InvalidInputError("--budget only applies to --method ddtree")
     if args.method == "ddtree" and args.budget is None:
-        args.budget = 64
+        args.budget = DEFAULT_DDTREE_BUDGET
     check_text(args.prompt)
     check_tree_budgets(
         args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..checks import DEFAULT_DDTREE_BUDGET
 from ..errors import CaddtreeError, InvalidInputError
 from .engine import Engine, Job, QueueFull, ShuttingDown, finish_reason
 from .metrics import ServerMetrics
@@ -85,8 +86,9 @@ def build_app(
     :class:`~caddtree.api.SpeculativeGenerator` with a tokenizer) under the name ``model_name``.
 
     Defaults for requests that leave a field out: ``method``; ``budget``, ddtree's node budget
-    (64 when ``None``); ``max_budget``, caddtree's largest tree; ``max_new_tokens`` (``max_tokens``,
-    lowered to what the model's context has room for); ``temperature`` (OpenAI's default is 1).
+    (:data:`~caddtree.checks.DEFAULT_DDTREE_BUDGET` when ``None``); ``max_budget``, caddtree's
+    largest tree; ``max_new_tokens`` (``max_tokens``, lowered to what the model's context has room
+    for); ``temperature`` (OpenAI's default is 1).
     A caddtree request uses ``generator.cost_model`` unless it names a cost-model file: a file
     name inside ``cost_model_dir`` (requests may read no other file on the server; without a
     directory they may name none).
@@ -103,7 +105,7 @@ def build_app(
     metrics = ServerMetrics(model_name, positions)
     engine = Engine(generator, metrics, max_queue=max_queue, on_round=on_round)
     context_limit = getattr(getattr(generator, "verifier", None), "max_positions", None)
-    default_budget = 64 if budget is None else int(budget)
+    default_budget = DEFAULT_DDTREE_BUDGET if budget is None else int(budget)
     cost_models: dict[str, tuple[float, Any]] = {}  # path -> (mtime, model)
     created = int(time.time())
 
