@@ -1,0 +1,105 @@
+"""Throughput of several requests decoded together (caddtree.batching), by batch size.
+
+    python benchmarks/batch_throughput.py [--requests 16] [--max-new-tokens 64]
+                                          [--batches 1 2 4 8] [--methods ar ddtree-8]
+
+Loads the built-in pair in bfloat16 on the lean runtime and, for each ``--batches`` size B and
+each method, decodes ``--requests`` chat prompts of ``--max-new-tokens`` tokens with
+:class:`caddtree.batching.BatchDecoder` (B requests at once, the next one joining as soon as one
+finishes), greedy. It prints the aggregate tokens per second (all requests' tokens over the wall
+time, prefills included), τ over all rounds, and the speed-up over the same method at batch 1.
+The methods run in alternating order at each batch size, after an untimed warm-up of each.
+``ddtree-N`` is DDTree with budget N; ``caddtree`` uses the cost model cached for this machine
+and builds each request's tree as if it were alone; ``caddtree-joint`` chooses all the batch's
+trees with one joint budget (:func:`caddtree.tree.build_joint_caddtrees`), pricing a batch round
+with that one-sequence cost model (``BatchDecoder``'s stand-in until the batch cost model is
+measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from caddtree.api import chat_template_ids
+from caddtree.batching import BatchDecoder, GenerationRequest
+from caddtree.decoding import make_policy
+from caddtree.loading import load_pair
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in three sentences why the sky is blue.",
+    "What is the difference between a list and a tuple in Python?",
+    "A shop sells pens at 3 dollars each. How much do 7 pens cost?",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "Give three tips for writing readable code.",
+    "Write a haiku about the sea.",
+    "How do I reverse a string in Python?",
+]
+
+
+def policy(method: str, gen):
+    if method.startswith("ddtree-"):
+        return make_policy("ddtree", budget=int(method.split("-")[1]))
+    if method == "caddtree":
+        return make_policy("caddtree", cost_model=gen.cost_model, max_budget=64)
+    return make_policy(method)
+
+
+def decode_all(gen, prompts: list[list[int]], method: str, batch: int, new: int) -> tuple:
+    """(seconds, tokens, rounds) for decoding every prompt, ``batch`` at a time."""
+    joint = gen.cost_model if method == "caddtree-joint" else None
+    decoder = BatchDecoder(
+        gen.verifier.target,
+        gen.drafter,
+        max_batch=batch,
+        capacity=max(map(len, prompts)) + new + 80,
+        joint_cost_model=joint,
+        joint_max_nodes=64,
+    )
+    name = "caddtree" if joint is not None else method
+    requests = [GenerationRequest(p, policy(name, gen), new) for p in prompts]
+    start = time.perf_counter()
+    done = decoder.run(requests)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(r.output) for r in done), sum(r.rounds for r in done)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--methods", nargs="+", default=["ar", "ddtree-8", "caddtree", "caddtree-joint"]
+    )
+    args = parser.parse_args()
+    gen = load_pair(None, None, dtype="bfloat16", method="caddtree", runtime="lean")
+    tokenizer = gen.tokenizer
+    prompts = [
+        chat_template_ids(tokenizer, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+        for i in range(args.requests)
+    ]
+    for method in args.methods:  # warm-up
+        decode_all(gen, prompts[:2], method, 2, 8)
+    print(
+        f"built-in pair, bfloat16, lean runtime, {torch.get_num_threads()} threads, "
+        f"{args.requests} requests x {args.max_new_tokens} tokens, greedy"
+    )
+    print(f"{'batch':>5} {'method':>10} {'tok/s':>8} {'tau':>6} {'x batch 1':>10}")
+    base: dict[str, float] = {}
+    for k, batch in enumerate(args.batches):
+        order = args.methods if k % 2 == 0 else list(reversed(args.methods))
+        results = {m: decode_all(gen, prompts, m, batch, args.max_new_tokens) for m in order}
+        for method in args.methods:
+            seconds, tokens, rounds = results[method]
+            rate = tokens / seconds
+            base.setdefault(method, rate)
+            tau = (tokens - len(prompts)) / rounds
+            print(f"{batch:>5} {method:>10} {rate:>8.1f} {tau:>6.2f} {rate / base[method]:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Several requests decoded together (caddtree.batching): each one's output is its own.
+
+Float64 tiny models: with requests of every method joining and leaving between rounds, at batch
+sizes 1 to 4, every greedy output equals plain greedy decoding token for token, a stop token ends
+a request where it ends alone, and a sampled request draws the same tokens in a batch as alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from caddtree import ConvexCostModel, InvalidInputError
+from caddtree.batching import BatchDecoder, GenerationRequest
+from caddtree.cost import PiecewiseLinearCurve
+from caddtree.decoding import make_policy
+from caddtree.models.lean import LeanTarget
+from caddtree.sampling import Sampler
+from sampling_checks import hf_generate
+from tiny_models import FEATURE_LAYER_IDS
+
+COST = ConvexCostModel({0: PiecewiseLinearCurve([0, 8, 64], [0.01, 0.012, 0.05])}, 0.004)
+POLICIES = [
+    ("ar", {}),
+    ("dflash", {}),
+    ("ddtree", {"budget": 4}),
+    ("caddtree", {"cost_model": COST, "max_budget": 24}),
+    ("ddtree", {"budget": 16}),
+]
+PROMPTS = [[5, 17, 3, 44, 8], [70, 2, 2, 9, 31, 12, 60, 1, 0, 33], [11], [40, 41, 42], [7, 7]]
+
+
+def decoder(qwen3, drafter, max_batch: int) -> BatchDecoder:
+    return BatchDecoder(
+        LeanTarget(qwen3, FEATURE_LAYER_IDS), drafter, max_batch=max_batch, capacity=64
+    )
+
+
+def requests(lengths: list[int]) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(prompt, make_policy(method, **kwargs), n)
+        for prompt, (method, kwargs), n in zip(PROMPTS, POLICIES, lengths)
+    ]
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 3, 4])
+def test_every_request_is_plain_greedy_decoding_whatever_the_batch(qwen3, drafter, max_batch):
+    lengths = [14, 22, 9, 30, 17]  # they finish at different rounds, and later ones join then
+    done = decoder(qwen3, drafter, max_batch).run(requests(lengths))
+    assert len(done) == len(PROMPTS)
+    for request in done:
+        reference = hf_generate(qwen3, list(request.prompt_ids), request.max_new_tokens)
+        assert request.output == reference, request.policy.name
+        assert request.stop_reason == "max_new_tokens"
+    drafted = [r for r in done if r.policy.needs_drafter]
+    assert sum(r.accepted for r in drafted) > 0  # trees were really verified in the batch
+
+
+def test_requests_join_and_leave_between_rounds(qwen3, drafter):
+    batch = decoder(qwen3, drafter, 3)
+    first, second, third = requests([6, 20, 12])[:3]
+    batch.add(first)
+    batch.add(second)
+    finished = []
+    while first.stop_reason is None:
+        finished += batch.step()
+    assert first in finished and batch.running == [second]
+    batch.add(third)  # joins a batch whose other request is mid-generation
+    while batch.running:
+        finished += batch.step()
+    for request in (first, second, third):
+        assert request.output == hf_generate(
+            qwen3, list(request.prompt_ids), request.max_new_tokens
+        )
+
+
+def test_a_stop_token_ends_a_request_where_it_ends_alone(qwen3, drafter):
+    prompt = PROMPTS[0]
+    free = hf_generate(qwen3, prompt, 30)
+    position = next(i for i in range(6, 30) if free[i] not in free[:i])
+    stop = free[position]
+    ddtree = make_policy("ddtree", budget=8)
+    stopping = GenerationRequest(prompt, ddtree, 30, stop_token_ids=frozenset({stop}))
+    other = GenerationRequest(PROMPTS[1], ddtree, 30)
+    decoder(qwen3, drafter, 2).run([stopping, other])
+    assert stopping.output == free[: position + 1] and stopping.stop_reason == "stop_token"
+    assert other.output == hf_generate(qwen3, PROMPTS[1], 30)
+
+
+def test_a_sampled_request_draws_the_same_tokens_in_a_batch_as_alone(qwen3, drafter):
+    def sampled(seed: int) -> GenerationRequest:
+        return GenerationRequest(
+            PROMPTS[1], make_policy("ddtree", budget=6), 24, sampler=Sampler(1.0, seed=seed)
+        )
+
+    alone = decoder(qwen3, drafter, 1).run([sampled(3)])[0].output
+    crowd = requests([10, 18, 7, 25])
+    together = decoder(qwen3, drafter, 4).run([crowd[0], sampled(3), *crowd[1:]])
+    (mine,) = [r for r in together if r.sampler.do_sample]
+    assert mine.output == alone
+    assert len(set(alone)) > 1
+
+
+def test_bad_requests_are_refused(qwen3, drafter):
+    batch = decoder(qwen3, None, 1)
+    with pytest.raises(InvalidInputError, match="needs a drafter"):
+        batch.add(GenerationRequest([1, 2], make_policy("dflash"), 4))
+    with pytest.raises(InvalidInputError, match="more than the 64"):
+        batch.add(GenerationRequest([1] * 40, make_policy("ar"), 40))
+    with pytest.raises(InvalidInputError, match="empty"):
+        batch.add(GenerationRequest([], make_policy("ar"), 4))
+    batch.add(GenerationRequest([1, 2], make_policy("ar"), 4))
+    with pytest.raises(InvalidInputError, match="full"):
+        batch.add(GenerationRequest([3], make_policy("ar"), 4))
+
+
+@pytest.mark.parametrize("max_batch", [2, 4])
+def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch):
+    """CaDDTree requests whose trees come from one joint budget: still plain greedy decoding."""
+    target = LeanTarget(qwen3, FEATURE_LAYER_IDS)
+    batch = BatchDecoder(
+        target, drafter, max_batch=max_batch, capacity=64, joint_cost_model=COST, joint_max_nodes=24
+    )
+    caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
+    lengths = [14, 22, 9, 30, 17]
+    todo = [GenerationRequest(p, caddtree, n) for p, n in zip(PROMPTS, lengths)]
+    seen = []
+    original = batch._joint_trees
+
+    def spy():
+        trees = original()
+        seen.append(trees)
+        return trees
+
+    batch._joint_trees = spy
+    done = batch.run(todo)
+    for request in done:
+        reference = hf_generate(qwen3, list(request.prompt_ids), request.max_new_tokens)
+        assert request.output == reference
+    assert all(trees is not None for trees in seen)
+    assert any(sum(len(t) for t in trees) > 0 for trees in seen)  # the joint trees were verified
