@@ -113,6 +113,8 @@ class BatchDecoder:
         return [r.request for r in self._running]
 
     def has_room(self) -> bool:
+        """Whether a request can join now (a slot is free). The decoder is not thread-safe: one
+        thread adds, steps and reads it."""
         return bool(self._free)
 
     def add(self, request: GenerationRequest) -> GenerationRequest:

@@ -35,8 +35,8 @@ from .engine import Engine, Job, QueueFull, ShuttingDown, finish_reason
 from .metrics import ServerMetrics
 from .protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
-    GenerationRequest,
     OpenAIError,
+    OpenAIRequest,
     StopText,
     chunk_body,
     completion_body,
@@ -189,7 +189,7 @@ def build_app(
             cost_models[path] = cached
         return cached[1]
 
-    def encode(req: GenerationRequest) -> list[int]:
+    def encode(req: OpenAIRequest) -> list[int]:
         extra = {"chat_template_kwargs": req.chat_template_kwargs or None}
         try:
             if req.kind == "chat":
@@ -209,7 +209,7 @@ def build_app(
             raise OpenAIError("the prompt is empty", param="prompt")
         return [int(t) for t in ids]
 
-    def generate_kwargs(req: GenerationRequest, n_prompt: int) -> dict[str, Any]:
+    def generate_kwargs(req: OpenAIRequest, n_prompt: int) -> dict[str, Any]:
         run = req.method or method
         max_tokens = req.max_tokens
         if context_limit is not None:
@@ -377,7 +377,7 @@ def build_app(
         )
 
     async def stream(
-        req: GenerationRequest, job: Job, first: tuple[str, Any], request_id: str
+        req: OpenAIRequest, job: Job, first: tuple[str, Any], request_id: str
     ) -> AsyncIterator[str]:
         """The server-sent events of a streaming request, from its job's events."""
         kind = req.kind

@@ -35,8 +35,8 @@ DEFAULT_MAX_REQUEST_BYTES = 2**21
 context of any model served here takes far less)."""
 
 __all__ = [
-    "GenerationRequest",
     "OpenAIError",
+    "OpenAIRequest",
     "StopText",
     "cut_at_stop",
     "error_body",
@@ -94,8 +94,9 @@ def finite(value: Any) -> Any:
 
 
 @dataclass
-class GenerationRequest:
-    """A checked request. ``prompt`` is a list of chat messages (chat), or a string or token ids
+class OpenAIRequest:
+    """A checked OpenAI request body (what the client asked; :class:`caddtree.batching.
+    GenerationRequest` is what is decoded). ``prompt`` is a list of chat messages (chat), or a string or token ids
     (completion). Sampling fields are ``None`` where the request left them out."""
 
     kind: str  # "chat" or "completion"
@@ -257,7 +258,7 @@ def _stop(value: Any) -> list[str]:
     return list(dict.fromkeys(stops))
 
 
-def parse_request(body: Any, kind: str) -> GenerationRequest:
+def parse_request(body: Any, kind: str) -> OpenAIRequest:
     """Check the JSON ``body`` of a ``kind`` (``"chat"`` or ``"completion"``) request."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
@@ -337,7 +338,7 @@ def parse_request(body: Any, kind: str) -> GenerationRequest:
             f"cost_model only applies to method 'caddtree', not {method!r}", param="cost_model"
         )
 
-    return GenerationRequest(
+    return OpenAIRequest(
         kind=kind,
         prompt=prompt,
         model=model,
