@@ -228,3 +228,17 @@ def test_packing_that_would_not_fit_in_memory_is_skipped_with_a_warning(monkeypa
         runtime = LeanTarget(model, ())
     assert "not packing" in caplog.text
     assert all(layer.qkv.packed is None for layer in runtime.layers)
+
+
+def test_auto_picks_the_lean_runtime_on_the_cpu_only(qwen3):
+    """On another device ``auto`` keeps transformers' forward (lean is asked for by name there)."""
+    from caddtree.api import runtime_choice
+
+    assert SpeculativeGenerator(qwen3, None, None).runtime == "lean"
+    assert runtime_choice("auto", "cpu", None) == "lean"
+    assert runtime_choice("auto", "cuda", None) == "transformers"
+    assert runtime_choice("lean", "cuda", None) == "lean"
+    assert runtime_choice("auto", "cpu", "its activation is gelu") == "transformers"
+    assert runtime_choice("transformers", "cpu", None) == "transformers"
+    with pytest.raises(InvalidInputError, match="cannot run this target: why"):
+        runtime_choice("lean", "cpu", "why")

@@ -129,21 +129,36 @@ def _no_template_kwargs(kwargs: dict[str, Any], why: str) -> None:
         )
 
 
+def runtime_choice(runtime: str, device_type: str, unsupported: str | None) -> str:
+    """The runtime a generator runs: ``"lean"`` or ``"transformers"``, for the ``runtime`` asked,
+    the target's device type and why the lean runtime cannot run the target (``None``: it can).
+    ``auto`` takes the lean runtime on the CPU only (on a GPU this project has not run it yet);
+    ``lean`` on a target it cannot run is refused with the reason."""
+    if runtime == "transformers":
+        return "transformers"
+    if unsupported is not None and runtime == "lean":
+        raise InvalidInputError(
+            f"runtime 'lean' cannot run this target: {unsupported}; use runtime 'transformers' "
+            "(--runtime transformers)"
+        )
+    if unsupported is not None or (runtime == "auto" and device_type != "cpu"):
+        return "transformers"
+    return "lean"
+
+
 def _verifier(target: Any, layer_ids: Sequence[int], runtime: str, pack: bool) -> Any:
-    """The target's verifier on ``runtime`` (``auto``: the lean one where it runs the model)."""
+    """The target's verifier on :func:`runtime_choice`'s runtime."""
     from .models.lean import LeanVerifier, lean_unsupported
     from .models.target import TreeVerifier
 
-    if runtime != "transformers":
-        reason = lean_unsupported(target)
-        if reason is None:
-            return LeanVerifier(target, layer_ids, pack=pack)
-        if runtime == "lean":
-            raise InvalidInputError(
-                f"runtime 'lean' cannot run this target: {reason}; use runtime 'transformers' "
-                "(--runtime transformers)"
-            )
-        logger.info("the target runs on transformers' forward: the lean runtime %s", reason)
+    device = target.get_input_embeddings().weight.device
+    reason = lean_unsupported(target) if runtime != "transformers" else None
+    chosen = runtime_choice(runtime, device.type, reason)
+    if chosen == "lean":
+        return LeanVerifier(target, layer_ids, pack=pack)
+    if runtime == "auto":
+        why = reason or f"runtime 'auto' picks it on CPUs, and the target is on {device.type}"
+        logger.info("the target runs on transformers' forward: the lean runtime %s", why)
     return TreeVerifier(target, layer_ids)
 
 
@@ -156,8 +171,10 @@ class SpeculativeGenerator:
     sampling at temperature > 0.
 
     The target runs on ``runtime`` (:data:`caddtree.checks.RUNTIMES`): ``"auto"`` (the default)
-    picks caddtree's lean forward (:mod:`caddtree.models.lean`) wherever it runs the model (Llama
-    family, Qwen3), else transformers' own; ``self.runtime`` says which was picked. On the CPU the
+    picks caddtree's lean forward (:mod:`caddtree.models.lean`) on the CPU wherever it runs the
+    model (Llama family, Qwen3), else transformers' own; ``"lean"`` asks for it on any device (on
+    CUDA it has not been run by this project's tests yet); ``self.runtime`` says which was
+    picked. On the CPU the
     linear layers are packed for oneDNN unless ``pack_weights`` is false
     (:mod:`caddtree.models.packing`); ``packed_layers`` says how many were.
     """

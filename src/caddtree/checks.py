@@ -25,7 +25,7 @@ DEFAULT_DDTREE_BUDGET = 64
 RUNTIMES = ("auto", "lean", "transformers")
 """The target's forward (``runtime=``, ``--runtime``): ``lean`` is caddtree's own
 (:mod:`caddtree.models.lean`: Llama family and Qwen3), ``transformers`` the model's own, ``auto``
-the lean one wherever it runs the model."""
+the lean one on the CPU wherever it runs the model (on CUDA only by name: untested there yet)."""
 
 __all__ = [
     "DEFAULT_DDTREE_BUDGET",

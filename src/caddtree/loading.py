@@ -72,7 +72,8 @@ def add_runtime_arguments(parser: Any) -> None:
         default="auto",
         help="the target's forward: 'lean' is caddtree's own (Llama family and Qwen3; fused, "
         "packed weights and a static KV cache), 'transformers' the model's own, 'auto' (the "
-        "default) the lean one wherever it runs the model",
+        "default) the lean one on the CPU wherever it runs the model (on a GPU ask for 'lean' by "
+        "name: not yet tested there)",
     )
     parser.add_argument(
         "--no-weight-packing",
