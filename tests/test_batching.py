@@ -138,3 +138,38 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
         assert request.output == reference
     assert all(trees is not None for trees in seen)
     assert any(sum(len(t) for t in trees) > 0 for trees in seen)  # the joint trees were verified
+
+
+def test_requests_made_by_the_generator_decode_as_generate_does(tiny_pair_dirs):
+    """``SpeculativeGenerator.request`` is what ``generate`` decodes: in a batch, requests with
+    stop strings, a repetition penalty, sampling seeds and other methods give ``generate``'s
+    tokens and stop reasons."""
+    from caddtree import SpeculativeGenerator
+
+    target, draft = tiny_pair_dirs
+    gen = SpeculativeGenerator.from_pretrained(target, draft, dtype="float64", device="cpu")
+    gen.cost_model = COST
+    prompt = gen.encode("hello there")
+    free = gen.generate(prompt, "ar", max_new_tokens=30, stop_token_ids=()).token_ids
+    # two tokens of the output that decode to visible characters (not the unknown token)
+    stop = next(
+        text
+        for text in (gen.tokenizer.decode(free[i : i + 2]) for i in range(6, 20))
+        if len(text) == 2 and "<" not in text
+    )
+    settings = [
+        {"method": "ddtree", "budget": 6, "stop": [stop], "stop_token_ids": ()},
+        {"method": "caddtree", "repetition_penalty": 1.3, "stop_token_ids": ()},
+        {"method": "ddtree", "budget": 4, "temperature": 1.0, "seed": 11, "top_k": 20},
+        {"method": "dflash", "max_new_tokens": 9},
+        {"method": "ar", "temperature": 0.8, "seed": 5},
+    ]
+    wanted = [{"max_new_tokens": 24, **s} for s in settings]
+    batch = BatchDecoder(gen.verifier.target, gen.drafter, max_batch=3, capacity=64)
+    requests = [gen.request(prompt, **kwargs) for kwargs in wanted]
+    assert len(batch.run(requests)) == len(wanted)
+    for kwargs, request in zip(wanted, requests):
+        reference = gen.generate(prompt, **kwargs)
+        assert request.output == reference.token_ids, kwargs
+        assert request.stop_reason == reference.stats.stop_reason, kwargs
+    assert requests[0].stop_reason == "stop_string"

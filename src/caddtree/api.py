@@ -30,6 +30,7 @@ from .checks import (
 )
 from .cost import CostModel, load_cost_model
 from .decoding import (
+    GenerationRequest,
     GenerationResult,
     RoundStats,
     StopStrings,
@@ -508,6 +509,46 @@ class SpeculativeGenerator:
         prompt: str | Sequence[int] | Sequence[dict[str, str]],
         method: str = "caddtree",
         *,
+        callback: Callable[[RoundStats | None, list[int]], Any] | None = None,
+        tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
+        **settings: Any,
+    ) -> GenerationResult:
+        """Generate a continuation of ``prompt``; see :func:`caddtree.decoding.decode`. The
+        ``settings`` are :meth:`request`'s: ``budget``, ``cost_model``, ``max_budget``,
+        ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+        ``max_new_tokens`` (256), ``stop_token_ids``, ``stop``, ``stopping_criteria``, ``chat``,
+        ``chat_template_kwargs`` and ``seed``.
+
+        Sampling follows transformers' ``generate``: ``temperature=0`` is greedy decoding, above
+        0 samples after ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p`` (0 = off);
+        ``repetition_penalty`` (1 = off) applies either way (see
+        :class:`~caddtree.sampling.Sampler`). ``seed`` makes sampling reproducible.
+        ``stop_token_ids=None`` uses :meth:`default_stop_token_ids`; pass ``()`` to ignore EOS.
+        ``stop`` (a string or a list of strings) ends generation after the token that completes
+        one of them (the token is kept; :class:`~caddtree.decoding.StopStrings`, which needs the
+        tokenizer); ``stopping_criteria`` adds other transformers-style criteria.
+        ``chat_template_kwargs`` go to the chat template (see :meth:`encode`).
+        """
+        request = self.request(prompt, method, **settings)
+        result = self.decode(
+            request.prompt_ids,
+            request.policy,
+            max_new_tokens=request.max_new_tokens,
+            sampler=request.sampler,
+            stop_token_ids=request.stop_token_ids,
+            stopping_criteria=request.stopping_criteria,
+            callback=callback,
+            tree_callback=tree_callback,
+        )
+        if self.tokenizer is not None:
+            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return result
+
+    def request(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, str]],
+        method: str = "caddtree",
+        *,
         budget: int | None = None,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         max_budget: int = 1024,
@@ -523,21 +564,10 @@ class SpeculativeGenerator:
         chat: bool | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         seed: int | None = None,
-        callback: Callable[[RoundStats | None, list[int]], Any] | None = None,
-        tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
-    ) -> GenerationResult:
-        """Generate a continuation of ``prompt``; see :func:`caddtree.decoding.decode`.
-
-        Sampling follows transformers' ``generate``: ``temperature=0`` is greedy decoding, above
-        0 samples after ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p`` (0 = off);
-        ``repetition_penalty`` (1 = off) applies either way (see
-        :class:`~caddtree.sampling.Sampler`). ``seed`` makes sampling reproducible.
-        ``stop_token_ids=None`` uses :meth:`default_stop_token_ids`; pass ``()`` to ignore EOS.
-        ``stop`` (a string or a list of strings) ends generation after the token that completes
-        one of them (the token is kept; transformers' ``StopStringCriteria``, which needs the
-        tokenizer); ``stopping_criteria`` adds other transformers-style criteria.
-        ``chat_template_kwargs`` go to the chat template (see :meth:`encode`).
-        """
+    ) -> GenerationRequest:
+        """The :class:`~caddtree.decoding.GenerationRequest` of :meth:`generate`'s arguments
+        (the same meaning), every one checked here: what :meth:`generate` decodes, and what a
+        :class:`~caddtree.batching.BatchDecoder` takes."""
         cost = self._cost_model(cost_model) or self.cost_model
         max_budget = check_tree_budgets(method, budget, max_budget, **self._block())
         policy = make_policy(
@@ -576,19 +606,15 @@ class SpeculativeGenerator:
         criteria = _criteria_list(stopping_criteria)
         if stop_strings:
             criteria.insert(0, stop_string_criterion(self.tokenizer, stop_strings))
-        result = self.decode(
+        check_int("max_new_tokens", max_new_tokens)
+        return GenerationRequest(
             prompt_ids,
             policy,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens,
             sampler=sampler,
-            stop_token_ids=stops,
+            stop_token_ids=frozenset(stops),
             stopping_criteria=criteria,
-            callback=callback,
-            tree_callback=tree_callback,
         )
-        if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return result
 
     def decode(
         self, prompt_ids: Sequence[int], policy: TreePolicy, **kwargs: Any

@@ -20,48 +20,21 @@ decode`, which stays the single-request loop with every analysis hook.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .checks import check_int
 from .cost import CostModel
-from .decoding import TreePolicy, _stop_point
+from .decoding import GenerationRequest, _stop_point
 from .errors import InvalidInputError
 from .models.lean import LeanTarget, Rows
-from .sampling import Sampler, TokenContext, walk_tree
+from .sampling import TokenContext, walk_tree
 from .tree import DraftTree, build_joint_caddtrees
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
-
-
-@dataclass(eq=False)
-class GenerationRequest:
-    """One request of a :class:`BatchDecoder`: what to decode, and (filled in) its output.
-
-    ``prompt_ids`` and ``policy`` (:func:`caddtree.decoding.make_policy`) say what; at most
-    ``max_new_tokens`` tokens come out, and a token of ``stop_token_ids`` ends the output after
-    itself. ``sampler`` chooses the target's tokens (greedy by default; give each sampled request
-    its own seeded sampler). ``output``, ``stop_reason`` (``None`` while it runs), ``rounds``
-    (verification rounds) and ``accepted`` (draft tokens accepted) are filled in as it decodes.
-    """
-
-    prompt_ids: Sequence[int]
-    policy: TreePolicy
-    max_new_tokens: int
-    sampler: Sampler = field(default_factory=Sampler)
-    stop_token_ids: frozenset[int] = frozenset()
-    output: list[int] = field(default_factory=list)
-    stop_reason: str | None = None
-    rounds: int = 0
-    accepted: int = 0
-
-    @property
-    def tau(self) -> float:
-        """Tokens committed per verification round (the prefill's token left out)."""
-        return (len(self.output) - 1) / self.rounds if self.rounds else float("nan")
 
 
 @dataclass(eq=False)
@@ -128,16 +101,17 @@ class BatchDecoder:
             raise InvalidInputError(f"the batch is full ({self.max_batch} requests); wait")
         if request.policy.needs_drafter and self.drafter is None:
             raise InvalidInputError(f"method {request.policy.name!r} needs a drafter")
-        room = len(prompt) + request.max_new_tokens + _tree_room(request.policy) + 1
+        room = len(prompt) + request.max_new_tokens + 1
         if room > self.capacity:
             raise InvalidInputError(
-                f"the prompt ({len(prompt)} tokens), max_new_tokens ({request.max_new_tokens}) "
-                f"and its trees need {room} positions, more than the {self.capacity} of a slot"
+                f"the prompt ({len(prompt)} tokens) and max_new_tokens "
+                f"({request.max_new_tokens}) need {room} positions, more than the "
+                f"{self.capacity} of a slot"
             )
         slot = self._free.pop(0)
         sampler = request.sampler
         context = None
-        if sampler.needs_context:
+        if sampler.needs_context or request.stopping_criteria:
             context = TokenContext(prompt, len(prompt) + request.max_new_tokens, self.target.device)
         rows = Rows.batch([(slot, 0, prompt, range(len(prompt)), None)], self.target.device)
         logits, features = self.target.forward(rows, slice(len(prompt) - 1, len(prompt)))
@@ -160,6 +134,10 @@ class BatchDecoder:
         if not self._running:
             return []
         trees = self._joint_trees() or [self._tree(r) for r in self._running]
+        # a tree fits what is left of its slot (the best-first order's first nodes: still a tree)
+        trees = [
+            _first_nodes(t, self.capacity - r.length - 1) for r, t in zip(self._running, trees)
+        ]
         rows = Rows.batch(
             [_tree_rows(r.slot, r.length, r.bonus, t) for r, t in zip(self._running, trees)],
             self.target.device,
@@ -247,20 +225,30 @@ class BatchDecoder:
             running.bonus = next_bonus
 
     def _commit_tokens(self, running: _Running, tokens: list[int]) -> None:
-        """Append the tokens the output keeps (up to a stop token or the length) and say whether
-        the request is done (``stop_reason``)."""
+        """Append the tokens the output keeps (up to a stop token, a stopping criterion or the
+        length) and say whether the request is done (``stop_reason``)."""
         request = running.request
         room = request.max_new_tokens - len(request.output)
-        keep, reason = _stop_point(tokens, room, set(request.stop_token_ids), [], running.context)
+        stops, criteria = set(request.stop_token_ids), request.stopping_criteria
+        keep, reason = _stop_point(tokens, room, stops, criteria, running.context)
         request.output.extend(tokens[:keep])
         if running.context is not None and reason is None:
             running.context.commit(tokens[:keep])
         request.stop_reason = reason
 
 
-def _tree_room(policy: TreePolicy) -> int:
-    """The most nodes one tree of ``policy`` may have."""
-    return int(getattr(policy, "budget", None) or getattr(policy, "max_budget", None) or 0)
+def _first_nodes(tree: DraftTree, count: int) -> DraftTree:
+    """The first ``count`` nodes of ``tree`` (all of them if it has no more): in best-first order
+    every node's parent comes before it, so they form a tree."""
+    if len(tree) <= count:
+        return tree
+    return DraftTree(
+        tree.token_ids[:count],
+        tree.parents[:count],
+        tree.depths[:count],
+        tree.log_probs[:count],
+        tree.ranks[:count],
+    )
 
 
 def _tree_rows(
