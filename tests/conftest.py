@@ -3,6 +3,7 @@ would have them), and the ``caddtree generate`` command line on the saved pair."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,28 @@ def tiny_pair_dirs(tmp_path_factory):
     tokenizer.save_pretrained(root / "target")
     saved_drafter(target, root / "draft")
     return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def cost_file(tmp_path_factory):
+    """A convex cost model saved as JSON (the servers' cost-model folder holds it)."""
+    from caddtree import ConvexCostModel
+
+    n = np.array([0, 4, 16, 64, 256])
+    model = ConvexCostModel.fit({0: (n, 0.01 + 1e-4 * n + 1e-7 * n**2)}, draft_cost=0.003)
+    return str(model.save(tmp_path_factory.mktemp("cost") / "cost.json"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair_dirs, cost_file):
+    """A second generator on the tiny saved pair: the expected outputs, computed while a
+    server's own generator may be busy."""
+    from caddtree import SpeculativeGenerator
+
+    target, draft = tiny_pair_dirs
+    return SpeculativeGenerator.from_pretrained(
+        target, draft, dtype="float64", device="cpu", cost_model=cost_file
+    )
 
 
 @pytest.fixture

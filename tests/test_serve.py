@@ -20,14 +20,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from caddtree import ConvexCostModel, SpeculativeGenerator  # noqa: E402
+from caddtree import SpeculativeGenerator  # noqa: E402
 from caddtree.errors import MissingDependencyError  # noqa: E402
 from caddtree.serve import build_app, main  # noqa: E402
 
@@ -57,23 +56,6 @@ class Server:
         self.server.should_exit = True
         self.thread.join(15)
         self.sock.close()
-
-
-@pytest.fixture(scope="module")
-def cost_file(tmp_path_factory):
-    n = np.array([0, 4, 16, 64, 256])
-    model = ConvexCostModel.fit({0: (n, 0.01 + 1e-4 * n + 1e-7 * n**2)}, draft_cost=0.003)
-    return str(model.save(tmp_path_factory.mktemp("cost") / "cost.json"))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_pair_dirs, cost_file):
-    """A second generator on the same checkpoints: the expected outputs, computed while the
-    server's own generator may be busy."""
-    target, draft = tiny_pair_dirs
-    return SpeculativeGenerator.from_pretrained(
-        target, draft, dtype="float64", device="cpu", cost_model=cost_file
-    )
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ decode`, which stays the single-request loop with every analysis hook.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ import torch
 
 from .checks import check_int
 from .cost import CostModel
-from .decoding import GenerationRequest, _stop_point
+from .decoding import GenerationRequest, RoundStats, _stop_point
 from .errors import InvalidInputError
 from .models.lean import LeanTarget, Rows
 from .sampling import TokenContext, walk_tree
@@ -108,7 +109,10 @@ class BatchDecoder:
                 f"({request.max_new_tokens}) need {room} positions, more than the "
                 f"{self.capacity} of a slot"
             )
+        if self.target.slots < self.max_batch:  # someone let the cache go: room again
+            self.target.reserve(self.max_batch, self.capacity)
         slot = self._free.pop(0)
+        request.started = time.perf_counter()
         sampler = request.sampler
         context = None
         if sampler.needs_context or request.stopping_criteria:
@@ -123,16 +127,17 @@ class BatchDecoder:
             proposer = DFlashProposer(self.drafter, self.target.model)
         running = _Running(request, slot, len(prompt), bonus, features[None], proposer, context)
         self._commit_tokens(running, [bonus])
-        if request.stop_reason is None:
-            self._running.append(running)
-        else:
-            self._free.append(slot)
+        request.prefill_s = time.perf_counter() - request.started
+        self._running.append(running)
+        if request.stop_reason is not None:
+            self._leave(running)
         return request
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request; returns the ones that finished in it."""
         if not self._running:
             return []
+        start = time.perf_counter()
         trees = self._joint_trees() or [self._tree(r) for r in self._running]
         # a tree fits what is left of its slot (the best-first order's first nodes: still a tree)
         trees = [
@@ -142,17 +147,36 @@ class BatchDecoder:
             [_tree_rows(r.slot, r.length, r.bonus, t) for r, t in zip(self._running, trees)],
             self.target.device,
         )
+        drafted = time.perf_counter()
         logits, features = self.target.forward(rows)
+        forward_s = time.perf_counter() - drafted
         finished, offset = [], 0
         for running, tree in zip(list(self._running), trees):
             n = len(tree) + 1
             self._walk(running, tree, logits[offset : offset + n], features[offset : offset + n])
             offset += n
+            stats = running.request.round_stats[-1]
+            stats.draft_s, stats.forward_s = drafted - start, forward_s
+            stats.round_s = stats.verify_s = time.perf_counter() - drafted
             if running.request.stop_reason is not None:
-                self._running.remove(running)
-                self._free.append(running.slot)
+                self._leave(running)
                 finished.append(running.request)
         return finished
+
+    def drop(self, request: GenerationRequest) -> None:
+        """End a running ``request`` now (a cancelled one): its slot is freed, its output kept,
+        its ``stop_reason`` is ``"cancelled"``."""
+        for running in self._running:
+            if running.request is request:
+                request.stop_reason = "cancelled"
+                self._leave(running)
+                return
+
+    def _leave(self, running: _Running) -> None:
+        self._running.remove(running)
+        self._free.append(running.slot)
+        request = running.request
+        request.wall_s = time.perf_counter() - request.started
 
     def run(self, requests: Iterable[GenerationRequest]) -> list[GenerationRequest]:
         """Decode ``requests`` to the end, each joining as soon as a slot is free."""
@@ -217,7 +241,21 @@ class BatchDecoder:
         tokens = [int(tree.token_ids[i - 1]) for i in path[1:]] + [next_bonus]
         request.rounds += 1
         request.accepted += len(path) - 1
+        before = len(request.output)
         self._commit_tokens(running, tokens)
+        request.round_stats.append(
+            RoundStats(
+                context_length=running.length,
+                budget=len(tree),
+                accepted=len(path) - 1,
+                committed=len(request.output) - before,
+                draft_s=0.0,
+                tree_s=0.0,
+                verify_s=0.0,
+                phi=tree.phi,
+                path=[i - 1 for i in path[1:]],
+            )
+        )
         if request.stop_reason is None:
             self.target.compact(running.slot, running.length, path)
             running.length += len(path)

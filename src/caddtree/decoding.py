@@ -357,6 +357,24 @@ class GenerationRequest:
     stop_reason: str | None = None
     rounds: int = 0
     accepted: int = 0
+    round_stats: list[RoundStats] = field(default_factory=list)
+    started: float = 0.0  # perf_counter when its prefill began
+    prefill_s: float = 0.0  # its prefill and first token
+    wall_s: float = 0.0  # from its prefill to its last token
+
+    def result(self) -> GenerationResult:
+        """The finished request as :func:`decode`'s result (no text)."""
+        stats = GenerationStats.from_rounds(
+            self.policy.name,
+            self.round_stats,
+            len(self.output),
+            self.wall_s,
+            self.prefill_s,
+            self.stop_reason or "cancelled",
+        )
+        return GenerationResult(
+            "", list(self.output), list(self.prompt_ids), self.policy.name, stats
+        )
 
     @property
     def tau(self) -> float:

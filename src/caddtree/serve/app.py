@@ -77,6 +77,7 @@ def build_app(
     max_new_tokens: int = 256,
     temperature: float = 1.0,
     max_queue: int = 8,
+    max_batch: int = 1,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     retry_after_s: int = 1,
     cost_model_dir: str | os.PathLike[str] | None = None,
@@ -92,7 +93,9 @@ def build_app(
     A caddtree request uses ``generator.cost_model`` unless it names a cost-model file: a file
     name inside ``cost_model_dir`` (requests may read no other file on the server; without a
     directory they may name none).
-    ``max_queue`` requests may wait while one generates; one more gets HTTP 503 with
+    ``max_batch`` requests generate at once (above 1: :class:`~caddtree.serve.batch_engine.
+    BatchEngine`, one target forward per round for all of them; it needs the lean runtime);
+    ``max_queue`` more may wait for a slot; one more gets HTTP 503 with
     ``Retry-After: retry_after_s``. A body larger than ``max_request_bytes`` gets HTTP 413 before
     it is read; JSON nested too deeply to parse gets HTTP 400. Prompts are tokenised off the event
     loop, so a long one never stalls ``/health`` or the other requests' streams. ``on_round(job)`` is a test hook, called by the worker thread
@@ -103,7 +106,14 @@ def build_app(
     proposer = getattr(generator, "proposer", None)
     positions = max(int(getattr(proposer, "block_size", 1)) - 1, 0) if proposer else 0
     metrics = ServerMetrics(model_name, positions)
-    engine = Engine(generator, metrics, max_queue=max_queue, on_round=on_round)
+    if max_batch > 1:
+        from .batch_engine import BatchEngine
+
+        engine: Engine = BatchEngine(
+            generator, metrics, max_batch=max_batch, max_queue=max_queue, on_round=on_round
+        )
+    else:
+        engine = Engine(generator, metrics, max_queue=max_queue, on_round=on_round)
     context_limit = getattr(getattr(generator, "verifier", None), "max_positions", None)
     default_budget = DEFAULT_DDTREE_BUDGET if budget is None else int(budget)
     cost_models: dict[str, tuple[float, Any]] = {}  # path -> (mtime, model)

@@ -127,7 +127,21 @@ class Engine:
     @property
     def running(self) -> int:
         with self._cond:
-            return 0 if self._running is None else 1
+            return self._busy()
+
+    def _busy(self) -> int:
+        """Jobs generating now (called holding the lock)."""
+        return 0 if self._running is None else 1
+
+    def _full(self) -> bool:
+        """Whether another job would pass the queue bound (called holding the lock): one
+        generating, ``max_queue`` waiting."""
+        return len(self._pending) + min(self._busy(), 1) > self.max_queue
+
+    def _cancel_running(self) -> None:
+        """Ask the generating jobs to end (called holding the lock)."""
+        if self._running is not None:
+            self._running.cancel()
 
     @property
     def alive(self) -> bool:
@@ -151,8 +165,7 @@ class Engine:
             self._stopping = True
             pending = list(self._pending)
             self._pending.clear()
-            if self._running is not None:
-                self._running.cancel()
+            self._cancel_running()
             self._cond.notify_all()
         for job in pending:
             job.emit("error", ShuttingDown("the server is shutting down"))
@@ -167,8 +180,7 @@ class Engine:
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
-            busy = len(self._pending) + (self._running is not None)
-            if busy > self.max_queue:  # one generating, max_queue waiting
+            if self._full():
                 raise QueueFull(f"{len(self._pending)} requests are queued already")
             self._pending.append(job)
             self._cond.notify()
@@ -249,9 +261,13 @@ class Engine:
                 logger.exception("generation failed")
             job.emit("error", exc)
             return
-        if decoder is not None:
+        self._done(job, result, decoder)
+
+    def _done(self, job: Job, result: Any, text: IncrementalDecoder | None) -> None:
+        """Hand ``job`` the rest of its streamed text and its result; count it as finished."""
+        if text is not None:
             with contextlib.suppress(Exception):
-                piece = decoder.flush()
+                piece = text.flush()
                 if piece:
                     job.emit("text", piece)
         stats = result.stats

@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"Retry-After (default {DEFAULT_MAX_QUEUE})",
     )
     parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="requests generated at once, each round one target forward for all of them (lean "
+        "runtime; default 1: one at a time)",
+    )
+    parser.add_argument(
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -107,6 +114,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     check_int("--max-new-tokens", args.max_new_tokens)
     check_int("--max-queue", args.max_queue, minimum=0)
     check_int("--max-request-bytes", args.max_request_bytes)
+    check_int("--max-batch", args.max_batch)
     check_int("--retry-after", args.retry_after, minimum=0)
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
@@ -174,6 +182,7 @@ def serve(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             max_queue=args.max_queue,
+            max_batch=args.max_batch,
             max_request_bytes=args.max_request_bytes,
             retry_after_s=args.retry_after,
             cost_model_dir=args.cost_model_dir,
