@@ -28,13 +28,9 @@ from caddtree.defaults import resolve_model_pair
 from caddtree.models.packing import pack_linear_layers, unpack_linear_layers
 from caddtree.profiling import profiling_tree
 from caddtree.tree import DraftTree
+from chat_prompts import PROMPTS as ALL_PROMPTS
 
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Explain in three sentences why the sky is blue.",
-    "What is the difference between a list and a tuple in Python?",
-    "A shop sells pens at 3 dollars each. How much do 7 pens cost?",
-]
+PROMPTS = ALL_PROMPTS[:4]
 
 
 def main() -> None:

@@ -73,6 +73,7 @@ from caddtree.defaults import cache_root, gguf_digest, resolve_model_pair, smoll
 from caddtree.files import atomic_directory, atomic_write, atomic_write_text
 from caddtree.profiling import profiling_tree
 from caddtree.tree import DraftTree
+from chat_prompts import PROMPTS as ALL_PROMPTS
 
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
@@ -84,14 +85,7 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # binaries that still run once moved out of the build tree
 ]
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",  # the README's
-    "Explain in three sentences why the sky is blue.",
-    "What is the difference between a list and a tuple in Python?",
-    "A shop sells pens at 3 dollars each. How much do 7 pens cost?",
-    "Summarise the plot of Romeo and Juliet in one paragraph.",
-    "Give three tips for writing readable code.",
-]
+PROMPTS = ALL_PROMPTS[:6]
 BATCHED_NPL = (1, 2, 4, 8)
 # With --context N, a system message of these sentences, repeated in turn, brings each chat
 # prompt to at least N tokens, so that plain decoding is timed at the context the runtime issue
