@@ -30,7 +30,6 @@ from .checks import (
 )
 from .cost import CostModel, load_cost_model
 from .decoding import (
-    GenerationRequest,
     GenerationResult,
     RoundStats,
     StopStrings,
@@ -48,6 +47,7 @@ from .devices import (
     weights_digest,
 )
 from .errors import CaddtreeError, CheckpointError, InvalidInputError
+from .requests import GenerationRequest
 from .sampling import Sampler
 from .tree import DraftTree
 
@@ -565,7 +565,7 @@ class SpeculativeGenerator:
         chat_template_kwargs: dict[str, Any] | None = None,
         seed: int | None = None,
     ) -> GenerationRequest:
-        """The :class:`~caddtree.decoding.GenerationRequest` of :meth:`generate`'s arguments
+        """The :class:`~caddtree.requests.GenerationRequest` of :meth:`generate`'s arguments
         (the same meaning), every one checked here: what :meth:`generate` decodes, and what a
         :class:`~caddtree.batching.BatchDecoder` takes."""
         cost = self._cost_model(cost_model) or self.cost_model

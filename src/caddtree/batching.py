@@ -29,9 +29,10 @@ import torch
 
 from .checks import check_int
 from .cost import CostModel
-from .decoding import GenerationRequest, RoundStats, _stop_point
+from .decoding import RoundStats, _stop_point
 from .errors import InvalidInputError
 from .models.lean import LeanTarget, Rows
+from .requests import GenerationRequest
 from .sampling import TokenContext, walk_tree
 from .tree import DraftTree, build_joint_caddtrees
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..batching import BatchDecoder
-from ..decoding import GenerationRequest
 from ..errors import CaddtreeError, InvalidInputError
+from ..requests import GenerationRequest
 from ..streaming import IncrementalDecoder
 from .engine import Engine, Job
 from .metrics import ServerMetrics
