@@ -38,7 +38,7 @@ def served(tiny_pair_dirs, cost_file):
         model_name=MODEL,
         method="caddtree",
         max_new_tokens=16,
-        max_queue=2,
+        max_queue=4,  # with 3 generating, every one of the 6 concurrent requests is taken
         max_batch=3,
         cost_model_dir=Path(cost_file).parent,
     )
