@@ -173,3 +173,18 @@ def test_requests_made_by_the_generator_decode_as_generate_does(tiny_pair_dirs):
         assert request.output == reference.token_ids, kwargs
         assert request.stop_reason == reference.stats.stop_reason, kwargs
     assert requests[0].stop_reason == "stop_string"
+
+
+def test_a_failed_prefill_gives_its_slot_back(qwen3, drafter, monkeypatch):
+    batch = decoder(qwen3, drafter, 1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the prefill failed")
+
+    monkeypatch.setattr(batch, "_prefill", broken)
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        batch.add(GenerationRequest([1, 2], make_policy("ar"), 4))
+    monkeypatch.undo()
+    assert batch.has_room()
+    (done,) = batch.run([GenerationRequest([1, 2], make_policy("ar"), 4)])
+    assert done.output == hf_generate(qwen3, [1, 2], 4)

@@ -114,6 +114,20 @@ class BatchDecoder:
             self.target.reserve(self.max_batch, self.capacity)
         slot = self._free.pop(0)
         request.started = time.perf_counter()
+        try:
+            running = self._prefill(request, prompt, slot)
+        except BaseException:
+            self._free.insert(0, slot)  # a failed prefill gives its slot back
+            raise
+        self._commit_tokens(running, [running.bonus])
+        request.prefill_s = time.perf_counter() - request.started
+        self._running.append(running)
+        if request.stop_reason is not None:
+            self._leave(running)
+        return request
+
+    def _prefill(self, request: GenerationRequest, prompt: list[int], slot: int) -> _Running:
+        """Run ``prompt`` into ``slot`` and choose the first token."""
         sampler = request.sampler
         context = None
         if sampler.needs_context or request.stopping_criteria:
@@ -126,13 +140,7 @@ class BatchDecoder:
             from .models.proposer import DFlashProposer
 
             proposer = DFlashProposer(self.drafter, self.target.model)
-        running = _Running(request, slot, len(prompt), bonus, features[None], proposer, context)
-        self._commit_tokens(running, [bonus])
-        request.prefill_s = time.perf_counter() - request.started
-        self._running.append(running)
-        if request.stop_reason is not None:
-            self._leave(running)
-        return request
+        return _Running(request, slot, len(prompt), bonus, features[None], proposer, context)
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request; returns the ones that finished in it."""
