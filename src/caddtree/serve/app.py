@@ -82,6 +82,7 @@ def build_app(
     retry_after_s: int = 1,
     cost_model_dir: str | os.PathLike[str] | None = None,
     on_round: Any = None,
+    torch_thread: Any = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``generator`` (a loaded
     :class:`~caddtree.api.SpeculativeGenerator` with a tokenizer) under the name ``model_name``.
@@ -96,7 +97,8 @@ def build_app(
     ``max_batch`` requests generate at once (above 1: :class:`~caddtree.serve.batch_engine.
     BatchEngine`, one target forward per round for all of them; it needs the lean runtime);
     ``max_queue`` more may wait for a slot; one more gets HTTP 503 with
-    ``Retry-After: retry_after_s``. A body larger than ``max_request_bytes`` gets HTTP 413 before
+    ``Retry-After: retry_after_s``. ``torch_thread``: the one-thread executor that loaded the
+    models, to generate on (see :class:`~caddtree.serve.engine.Engine`). A body larger than ``max_request_bytes`` gets HTTP 413 before
     it is read; JSON nested too deeply to parse gets HTTP 400. Prompts are tokenised off the event
     loop, so a long one never stalls ``/health`` or the other requests' streams. ``on_round(job)`` is a test hook, called by the worker thread
     after every round.
@@ -110,10 +112,17 @@ def build_app(
         from .batch_engine import BatchEngine
 
         engine: Engine = BatchEngine(
-            generator, metrics, max_batch=max_batch, max_queue=max_queue, on_round=on_round
+            generator,
+            metrics,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            on_round=on_round,
+            torch_thread=torch_thread,
         )
     else:
-        engine = Engine(generator, metrics, max_queue=max_queue, on_round=on_round)
+        engine = Engine(
+            generator, metrics, max_queue=max_queue, on_round=on_round, torch_thread=torch_thread
+        )
     context_limit = getattr(getattr(generator, "verifier", None), "max_positions", None)
     default_budget = DEFAULT_DDTREE_BUDGET if budget is None else int(budget)
     cost_models: dict[str, tuple[float, Any]] = {}  # path -> (mtime, model)

@@ -51,13 +51,16 @@ class BatchEngine(Engine):
         max_batch: int,
         max_queue: int = 8,
         on_round: Any = None,
+        torch_thread: Any = None,
     ):
         if getattr(generator, "runtime", None) != "lean":
             raise InvalidInputError(
                 "serving several requests at once (--max-batch above 1) needs the lean runtime; "
                 "this target runs on transformers' forward"
             )
-        super().__init__(generator, metrics, max_queue=max_queue, on_round=on_round)
+        super().__init__(
+            generator, metrics, max_queue=max_queue, on_round=on_round, torch_thread=torch_thread
+        )
         verifier = generator.verifier
         self.max_batch = int(max_batch)
         self.decoder = BatchDecoder(

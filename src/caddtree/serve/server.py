@@ -14,6 +14,7 @@ import math
 import socket
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..checks import check_int
@@ -171,8 +172,10 @@ def serve(args: argparse.Namespace) -> int:
 
     _check_arguments(args)
     sock = _listen(args.host, args.port)
+    # the models are loaded (and profiled) on the thread that will generate: one OpenMP pool
+    torch_thread = ThreadPoolExecutor(1, thread_name_prefix="caddtree-generate")
     try:
-        gen, name = load_generator(args)
+        gen, name = torch_thread.submit(load_generator, args).result()
         app = build_app(
             gen,
             model_name=name,
@@ -186,6 +189,7 @@ def serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             retry_after_s=args.retry_after,
             cost_model_dir=args.cost_model_dir,
+            torch_thread=torch_thread,
         )
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"
@@ -197,6 +201,7 @@ def serve(args: argparse.Namespace) -> int:
         print("caddtree: server stopped", file=sys.stderr)
     finally:
         sock.close()
+        torch_thread.shutdown(wait=False, cancel_futures=True)
     return 0
 
 
