@@ -223,8 +223,10 @@ def test_the_generator_picks_the_lean_runtime_and_both_decode_alike(qwen3, draft
 def test_packing_that_would_not_fit_in_memory_is_skipped_with_a_warning(monkeypatch, caplog):
     model = qwen3_target().to(torch.float32)
     assert LeanTarget(model, ()).layers[0].qkv.packed is not None
-    monkeypatch.setattr(lean, "available_memory", lambda: 1000)
-    with caplog.at_level("WARNING", logger="caddtree.models.lean"):
+    from caddtree.models import packing
+
+    monkeypatch.setattr(packing, "available_memory", lambda: 1000)
+    with caplog.at_level("WARNING", logger="caddtree.models.packing"):
         runtime = LeanTarget(model, ())
     assert "not packing" in caplog.text
     assert all(layer.qkv.packed is None for layer in runtime.layers)

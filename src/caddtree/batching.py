@@ -32,6 +32,7 @@ from .cost import CostModel
 from .decoding import RoundStats, _stop_point
 from .errors import InvalidInputError
 from .models.lean import LeanTarget, Rows
+from .models.target import tree_position_ids
 from .requests import GenerationRequest
 from .sampling import TokenContext, walk_tree
 from .tree import DraftTree, build_joint_caddtrees
@@ -303,5 +304,5 @@ def _tree_rows(
 ) -> tuple[int, int, list[int], list[int], np.ndarray | None]:
     """One sequence of a verification call: ``[bonus] + tree`` after ``start`` cache entries."""
     tokens = [int(bonus), *(int(t) for t in tree.token_ids)]
-    positions = (start + np.concatenate(([0], tree.depths))).astype(np.int64).tolist()
+    positions = tree_position_ids(tree, start).tolist()
     return slot, start, tokens, positions, tree.visibility_mask() if len(tree) else None

@@ -34,7 +34,6 @@ depends on the sequence length, sliding windows, ...); such models keep transfor
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -46,12 +45,10 @@ from torch import nn
 
 from ..errors import InvalidInputError
 from ..tree import DraftTree
-from .packing import available_memory, pack_weight, packed_linear
+from .packing import pack_weight, packed_linear, packing_fits
 from .target import TreeVerifier
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanTarget", "LeanVerifier", "Rows", "lean_unsupported"]
-
-logger = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
 """``config.model_type`` values the lean runtime runs (Llama family: Llama 2/3, SmolLM2, ...)."""
@@ -132,23 +129,14 @@ def _fused(linears: Sequence[nn.Linear], pack: bool) -> _Linear:
 
 
 def _packing_fits(model: Any) -> bool:
-    """Whether packed copies of the decoder layers' linear weights take at most half the memory
-    available now (as :func:`~caddtree.models.packing.pack_linear_layers` asks); says so if not."""
+    """Whether packed copies of the decoder layers' linear weights fit in memory
+    (:func:`~caddtree.models.packing.packing_fits`)."""
     needed = sum(
         m.weight.numel() * m.weight.element_size()
         for m in model.model.layers.modules()
         if isinstance(m, nn.Linear)
     )
-    available = available_memory()
-    if available is None or needed <= available // 2:
-        return True
-    logger.warning(
-        "the lean runtime is not packing its linear weights for oneDNN: the packed copies would "
-        "take %.1f GiB, more than half the %.1f GiB available; decoding on the CPU runs slower",
-        needed / 2**30,
-        available / 2**30,
-    )
-    return False
+    return packing_fits(needed, "the lean runtime's linear weights")
 
 
 class _Layer(NamedTuple):

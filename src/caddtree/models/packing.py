@@ -41,6 +41,7 @@ __all__ = [
     "pack_weight",
     "packed_linear",
     "packed_linear_count",
+    "packing_fits",
     "unpack_linear_layers",
 ]
 
@@ -103,14 +104,40 @@ def _kernels_work(dtype: torch.dtype) -> bool:
 _WORKS: dict[torch.dtype, bool] = {}
 
 
+def _kernel_packs(weight: torch.Tensor) -> bool:
+    """Whether this build's packed kernel serves ``weight``: on the CPU, in a packable dtype, and
+    checked against ``F.linear`` on a probe (once per dtype)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.is_meta:
+        return False
+    if weight.dtype not in _WORKS:
+        _WORKS[weight.dtype] = _kernels_work(weight.dtype)
+    return _WORKS[weight.dtype]
+
+
+def packing_fits(needed: int, what: str, memory_limit: int | None = None) -> bool:
+    """Whether packed copies of ``needed`` bytes may be made: at most ``memory_limit`` bytes
+    (default: half of :func:`available_memory`). If not, a warning names ``what`` is left
+    unpacked."""
+    if memory_limit is None:
+        available = available_memory()
+        memory_limit = available // 2 if available is not None else needed
+    if needed <= memory_limit:
+        return True
+    logger.warning(
+        "not packing %s for oneDNN: the packed copies would take %.1f GiB, more than the %.1f "
+        "GiB allowed (by default half the available memory); decoding on the CPU runs slower "
+        "without them",
+        what,
+        needed / 2**30,
+        memory_limit / 2**30,
+    )
+    return False
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed copy of a linear ``weight`` [out, in] for :func:`packed_linear`, or
     ``None`` where packing does not apply (not on the CPU, another dtype, no working kernel)."""
-    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.is_meta:
-        return None
-    if weight.dtype not in _WORKS:
-        _WORKS[weight.dtype] = _kernels_work(weight.dtype)
-    if not _WORKS[weight.dtype]:
+    if not _kernel_packs(weight):
         return None
     with torch.no_grad():
         return _pack(weight)
@@ -127,17 +154,13 @@ def _packable(layer: nn.Module) -> bool:
     if type(layer) is not nn.Linear or hasattr(layer, _STATE):
         return False
     weight = layer.weight
-    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.is_meta:
-        return False
     if weight.is_inference():
         # made under torch.inference_mode(): no version counter, so an in-place change could not
         # be told from the packed copy; left unpacked rather than risk a stale one
         return False
     if layer.bias is not None and layer.bias.dtype is not weight.dtype:
         return False
-    if weight.dtype not in _WORKS:
-        _WORKS[weight.dtype] = _kernels_work(weight.dtype)
-    return _WORKS[weight.dtype]
+    return _kernel_packs(weight)
 
 
 def _linear_layers(modules: Iterable[nn.Module | None]) -> list[nn.Linear]:
@@ -174,17 +197,7 @@ def pack_linear_layers(*modules: nn.Module | None, memory_limit: int | None = No
     layers = _linear_layers(modules)
     todo = [layer for layer in layers if _packable(layer)]
     needed = sum(layer.weight.numel() * layer.weight.element_size() for layer in todo)
-    if memory_limit is None:
-        available = available_memory()
-        memory_limit = available // 2 if available is not None else needed
-    if needed > memory_limit:
-        logger.warning(
-            "not packing the linear layers' weights for oneDNN: the packed copies would take "
-            "%.1f GiB, more than the %.1f GiB allowed (by default half the available memory); "
-            "decoding on the CPU runs slower without them",
-            needed / 2**30,
-            memory_limit / 2**30,
-        )
+    if not packing_fits(needed, "the linear layers' weights", memory_limit):
         todo = []
     for layer in todo:
         weight = layer.weight
