@@ -3,7 +3,7 @@
     python benchmarks/vs_llamacpp.py [--dtype bfloat16] [--repeats 3] [--prompts 0]
                                      [--max-new-tokens 128] [--context 0] [--depth 300]
                                      [--rows 1 4 8 16]
-                                     [--threads 2] [--bench-reps 5] [--runtime NAME]
+                                     [--threads 2] [--bench-reps 5] [--runtime NAME ...]
                                      [--batched] [--json PATH]
 
 llama.cpp: the binaries in ``$LLAMA_CPP_DIR`` (its ``build/bin``, ``bin`` or itself: llama-bench,
@@ -42,7 +42,9 @@ aggregate decoding tok/s over 1, 2, 4 and 8 sequences (caddtree decodes one sequ
 Threads: llama.cpp's ``-t`` and ``torch.set_num_threads`` both get ``--threads`` (default: torch's
 own default, one per physical core, which ``caddtree generate`` runs with). ``--runtime NAME``
 passes ``runtime=NAME`` to ``SpeculativeGenerator.from_pretrained`` (without it, nothing: the
-generator's default); the header names the runtime that ran. ``--json PATH`` writes every figure,
+generator's default); several names load one generator each, measured in the same rounds (the
+order of all sides rotating from round to round) and shown side by side, each column headed by
+the runtime that ran. ``--json PATH`` writes every figure,
 each round's raw values and llama-bench's own JSON included.
 
 Run it on an otherwise idle machine (it warns when the load average is above 0.5 at the start):
@@ -304,10 +306,11 @@ def llama_warmup(bins: Path, gguf: Path, args: argparse.Namespace) -> None:
 # ---- caddtree -----------------------------------------------------------------------------------
 
 
-def load_caddtree(args: argparse.Namespace) -> SpeculativeGenerator:
-    """The built-in pair, with the cost model ``caddtree generate`` would use."""
+def load_caddtree(args: argparse.Namespace, runtime: str | None) -> SpeculativeGenerator:
+    """The built-in pair on ``runtime`` (``None``: the default), with the cost model
+    ``caddtree generate`` would use."""
     target, draft, dtype = resolve_model_pair(None, None, args.dtype)
-    extra = {"runtime": args.runtime} if args.runtime else {}
+    extra = {"runtime": runtime} if runtime else {}
     gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device="cpu", **extra)
     gen.cost_model = gen.cached_cost_model()
     return gen
@@ -447,46 +450,53 @@ def median_of(rounds: list[dict], side: str, *keys: Any) -> float:
     return statistics.median(get(r) for r in rounds)
 
 
-def summary(rounds: list[dict], args: argparse.Namespace) -> list[tuple[str, float, float]]:
-    """(row label, llama.cpp, caddtree) medians, in the table's order."""
-    tau = median_of(rounds, "caddtree", "tau")
+def summary(
+    rounds: list[dict], args: argparse.Namespace, names: list[str]
+) -> list[tuple[str, float, list[float]]]:
+    """(row label, llama.cpp, caddtree per runtime ``names``) medians, in the table's order."""
+    taus = "/".join(f"{median_of(rounds, name, 'tau'):.2f}" for name in names)
     ar_llama = median_of(rounds, "llama.cpp", "ar_ms")
     rows = [
-        ("plain decoding, ms/token", ar_llama, median_of(rounds, "caddtree", "ar_ms")),
+        ("plain decoding, ms/token", ar_llama, [median_of(rounds, n, "ar_ms") for n in names]),
         (
-            f"CaDDTree, ms/token (tau {tau:.2f})",
+            f"CaDDTree, ms/token (tau {taus})",
             ar_llama,
-            median_of(rounds, "caddtree", "caddtree_ms"),
+            [median_of(rounds, n, "caddtree_ms") for n in names],
         ),
     ]
-    for n in args.rows:
-        label = f"forward, {n} row{'s' if n > 1 else ''}, ms"
-        rows.append(
-            (label, *(median_of(rounds, s, "forward_ms", n) for s in ("llama.cpp", "caddtree")))
-        )
+    for rows_n in args.rows:
+        label = f"forward, {rows_n} row{'s' if rows_n > 1 else ''}, ms"
+        llama = median_of(rounds, "llama.cpp", "forward_ms", rows_n)
+        rows.append((label, llama, [median_of(rounds, n, "forward_ms", rows_n) for n in names]))
     return rows
 
 
-def caddtree_context(rounds: list[dict]) -> str:
+def caddtree_context(rounds: list[dict], name: str) -> str:
     """The contexts caddtree's generations ran over: ``prompt..prompt+new`` of each prompt."""
-    runs = rounds[0]["caddtree"]["raw"]["ar"]
+    runs = rounds[0][name]["raw"]["ar"]
     return ", ".join(f"{r['prompt_tokens']}..{r['prompt_tokens'] + r['new_tokens']}" for r in runs)
 
 
 def print_table(
-    rows: list[tuple[str, float, float]], machine: str, rounds: list, args: argparse.Namespace
+    rows: list[tuple[str, float, list[float]]],
+    machine: str,
+    rounds: list,
+    args: argparse.Namespace,
+    names: list[str],
 ) -> None:
     print(f"\n{machine}")
     n = len(rounds)
     print(f"median of {n} round{'s' if n > 1 else ''}; forwards after {args.depth} tokens\n")
-    print(f"  {'':<32} {'llama.cpp BF16':>14} {'caddtree':>9} {'caddtree/llama.cpp':>19}")
+    heads = "".join(f" {name:>10} {'/llama.cpp':>10}" for name in names)
+    print(f"  {'':<36} {'llama.cpp BF16':>14}{heads}")
     for label, llama, ours in rows:
-        print(f"  {label:<32} {llama:>14.2f} {ours:>9.2f} {ours / llama:>19.2f}")
+        cells = "".join(f" {value:>10.2f} {value / llama:>10.2f}" for value in ours)
+        print(f"  {label:<36} {llama:>14.2f}{cells}")
     print(
         f"\n  decoding: llama-bench -p 0 -n {args.max_new_tokens} -d {args.decode_depth} (context "
         f"{args.decode_depth}..{args.decode_depth + args.max_new_tokens}, no sampling);\n"
         "  caddtree greedy generate() after the prompt's "
-        f"prefill (context {caddtree_context(rounds)}).\n"
+        f"prefill (context {caddtree_context(rounds, names[0])}).\n"
         "  CaDDTree's llama.cpp column is llama.cpp's plain decoding.\n"
         "  forward: llama.cpp computes the logits of the last row only, caddtree of every row."
     )
@@ -502,15 +512,17 @@ def print_batched(rounds: list[dict]) -> None:
             print(f"  {npl} sequence{'s' if npl > 1 else ''}: {statistics.median(speeds):.1f}")
 
 
-def describe_machine(gen: SpeculativeGenerator, llama_info: dict, rounds: list[dict]) -> str:
+def describe_machine(
+    gens: dict[str, SpeculativeGenerator], llama_info: dict, rounds: list[dict]
+) -> str:
     record = rounds[0]["llama.cpp"]["raw"][0]  # llama-bench's own build_commit and build_number
     commit = llama_info.get("commit") or record.get("build_commit")
     version = f"{llama_info['source']}, commit {commit}, build {record.get('build_number')}"
-    runtime = getattr(gen, "runtime", "transformers")
-    dtype = str(gen.verifier.dtype).removeprefix("torch.")
+    runtimes = ", ".join(gens)
+    dtype = str(next(iter(gens.values())).verifier.dtype).removeprefix("torch.")
     return (
         f"{cpu_model()}, {os.cpu_count()} cores\n"
-        f"caddtree: torch {torch.__version__}, {dtype}, runtime {runtime}, "
+        f"caddtree: torch {torch.__version__}, {dtype}, runtime {runtimes}, "
         f"{torch.get_num_threads()} threads\n"
         f"llama.cpp: BF16 GGUF, {record['n_threads']} threads, {version}"
     )
@@ -536,7 +548,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--bench-reps", type=int, default=5, help="samples per round and figure")
-    parser.add_argument("--runtime", help="runtime= for SpeculativeGenerator.from_pretrained")
+    parser.add_argument(
+        "--runtime",
+        nargs="+",
+        default=[None],
+        help="runtime= for SpeculativeGenerator.from_pretrained; several: side by side",
+    )
     parser.add_argument("--batched", action="store_true", help="also run llama-batched-bench")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every figure here")
     args = parser.parse_args()
@@ -545,18 +562,21 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def measure(bins: Path, gguf: Path, gen: SpeculativeGenerator, args: argparse.Namespace) -> list:
-    """``--repeats`` rounds of both sides, which one goes first alternating."""
+def measure(
+    bins: Path, gguf: Path, gens: dict[str, SpeculativeGenerator], args: argparse.Namespace
+) -> list:
+    """``--repeats`` rounds of every side (llama.cpp, then each runtime), the order rotating."""
+    sides = ["llama.cpp", *gens]
     rounds = []
     for k in range(args.repeats):
-        order = ("llama.cpp", "caddtree") if k % 2 == 0 else ("caddtree", "llama.cpp")
-        say(f"round {k + 1} of {args.repeats}: {order[0]} first")
+        order = sides[k % len(sides) :] + sides[: k % len(sides)]
+        say(f"round {k + 1} of {args.repeats}: {', '.join(order)}")
         rnd: dict[str, Any] = {}
         for side in order:
             if side == "llama.cpp":
                 rnd[side] = llama_round(bins, gguf, args)
             else:
-                rnd[side] = caddtree_round(gen, args, k)
+                rnd[side] = caddtree_round(gens[side], args, k)
         rounds.append(rnd)
     return rounds
 
@@ -572,11 +592,15 @@ def warn_if_busy() -> None:
         )
 
 
-def write_json(path: Path, machine: str, rows: list, rounds: list, extra: dict) -> None:
+def write_json(
+    path: Path, machine: str, rows: list, rounds: list, names: list[str], extra: dict
+) -> None:
     out = {
         "machine": machine,
         **extra,
-        "medians": [{"row": r, "llama.cpp": a, "caddtree": b, "ratio": b / a} for r, a, b in rows],
+        "medians": [
+            {"row": r, "llama.cpp": a, **{n: b for n, b in zip(names, bs)}} for r, a, bs in rows
+        ],
         "rounds": rounds,
     }
     atomic_write_text(path, json.dumps(out, indent=1) + "\n")
@@ -590,21 +614,27 @@ def main() -> None:
     bins, llama_info = llama_cpp()
     gguf = bf16_gguf(bins)
     say("loading caddtree's built-in pair")
-    gen = load_caddtree(args)
+    gens = {}
+    for runtime in args.runtime:
+        gen = load_caddtree(args, runtime)
+        gens[gen.runtime] = gen
+    names = list(gens)
     args.chats = [chat(gen, prompt, args.context) for prompt in PROMPTS[: 1 + args.prompts]]
     args.decode_depth = prompt_depth(gen, args)
     llama_warmup(bins, gguf, args)
-    caddtree_warmup(gen, args)
-    rounds = measure(bins, gguf, gen, args)
-    machine = describe_machine(gen, llama_info, rounds)
-    rows = summary(rounds, args)
-    print_table(rows, machine, rounds, args)
+    for gen in gens.values():
+        caddtree_warmup(gen, args)
+    rounds = measure(bins, gguf, gens, args)
+    machine = describe_machine(gens, llama_info, rounds)
+    rows = summary(rounds, args, names)
+    print_table(rows, machine, rounds, args, names)
     if args.batched:
         print_batched(rounds)
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         llama = {**llama_info, "binaries": str(bins), "gguf": str(gguf)}
-        write_json(args.json, machine, rows, rounds, {"settings": settings, "llama_cpp": llama})
+        extra = {"settings": settings, "llama_cpp": llama}
+        write_json(args.json, machine, rows, rounds, names, extra)
 
 
 if __name__ == "__main__":

@@ -166,8 +166,8 @@ def test_a_large_bfloat16_gap_is_a_real_discrepancy():
     worst = int(reference.argmin())
     div = explain_divergence(gen, PROMPT, ar, ar[:p] + [worst])
     assert div.ar_pair_gap > div.threshold
-    # bf16 forwards of different shapes agree to within rounding, not exactly
-    assert div.ar_pair_gap == pytest.approx(float(reference.max() - reference.min()), abs=0.1)
+    # bf16 forwards of different shapes (and compiled against eager) agree to within rounding
+    assert div.ar_pair_gap == pytest.approx(float(reference.max() - reference.min()), abs=0.25)
     assert not div.near_tie and div.verdict.startswith("real discrepancy")
 
 

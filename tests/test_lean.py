@@ -237,10 +237,14 @@ def test_auto_picks_the_lean_runtime_on_the_cpu_only(qwen3):
     from caddtree.api import runtime_choice
 
     assert SpeculativeGenerator(qwen3, None, None).runtime == "lean"
-    assert runtime_choice("auto", "cpu", None) == "lean"
+    assert runtime_choice("auto", "cpu", None) == "auto"  # lean, compiled where that wins
     assert runtime_choice("auto", "cuda", None) == "transformers"
     assert runtime_choice("lean", "cuda", None) == "lean"
+    assert runtime_choice("compiled", "cuda", None) == "compiled"
     assert runtime_choice("auto", "cpu", "its activation is gelu") == "transformers"
     assert runtime_choice("transformers", "cpu", None) == "transformers"
-    with pytest.raises(InvalidInputError, match="cannot run this target: why"):
-        runtime_choice("lean", "cpu", "why")
+    for runtime in ("lean", "compiled"):
+        with pytest.raises(
+            InvalidInputError, match=f"runtime '{runtime}' cannot run this target: why"
+        ):
+            runtime_choice(runtime, "cpu", "why")

@@ -164,8 +164,10 @@ def test_the_lean_runtime_packs_its_fused_layers_and_the_models_heads():
 def test_decoding_with_packed_weights_is_plain_decoding(dtype):
     """Every method reproduces packed plain decoding token for token, and packed plain decoding
     is the unpacked one (float32 here: the tiny model's top two logits are far apart compared with
-    the kernels' last-bit differences)."""
-    gen = make_gen(dtype)
+    the kernels' last-bit differences). On the eager lean runtime: in bfloat16 the compiled
+    runtime's row and tree graphs round differently, and on this model one near-tie (token 36)
+    flips; tests/test_compiled.py checks the compiled runtime's outputs in float32."""
+    gen = make_gen(dtype, runtime="lean")
     assert gen.packed_layers > 0
     gen.cost_model = ConvexCostModel(
         {0: PiecewiseLinearCurve([0, 8, 64], [0.01, 0.012, 0.05])}, draft_cost=0.004

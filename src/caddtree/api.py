@@ -131,20 +131,22 @@ def _no_template_kwargs(kwargs: dict[str, Any], why: str) -> None:
 
 
 def runtime_choice(runtime: str, device_type: str, unsupported: str | None) -> str:
-    """The runtime a generator runs: ``"lean"`` or ``"transformers"``, for the ``runtime`` asked,
-    the target's device type and why the lean runtime cannot run the target (``None``: it can).
-    ``auto`` takes the lean runtime on the CPU only (on a GPU this project has not run it yet);
-    ``lean`` on a target it cannot run is refused with the reason."""
+    """The runtime a generator runs, for the ``runtime`` asked, the target's device type and why
+    the lean runtime cannot run the target (``None``: it can): ``"transformers"``, or the lean
+    family as asked (``"lean"``, ``"compiled"``, or ``"auto"``, which on the CPU is the lean runtime
+    compiled where that wins, :class:`~caddtree.models.lean.LeanVerifier`). ``auto`` takes the
+    lean family on the CPU only (on a GPU this project has not run it yet); ``lean`` or
+    ``compiled`` on a target it cannot run is refused with the reason."""
     if runtime == "transformers":
         return "transformers"
-    if unsupported is not None and runtime == "lean":
+    if unsupported is not None and runtime != "auto":
         raise InvalidInputError(
-            f"runtime 'lean' cannot run this target: {unsupported}; use runtime 'transformers' "
-            "(--runtime transformers)"
+            f"runtime {runtime!r} cannot run this target: {unsupported}; use runtime "
+            "'transformers' (--runtime transformers)"
         )
     if unsupported is not None or (runtime == "auto" and device_type != "cpu"):
         return "transformers"
-    return "lean"
+    return runtime
 
 
 def _verifier(target: Any, layer_ids: Sequence[int], runtime: str, pack: bool) -> Any:
@@ -155,12 +157,15 @@ def _verifier(target: Any, layer_ids: Sequence[int], runtime: str, pack: bool) -
     device = target.get_input_embeddings().weight.device
     reason = lean_unsupported(target) if runtime != "transformers" else None
     chosen = runtime_choice(runtime, device.type, reason)
-    if chosen == "lean":
-        return LeanVerifier(target, layer_ids, pack=pack)
+    if chosen != "transformers":
+        return LeanVerifier(target, layer_ids, pack=pack, compile=_COMPILE[chosen])
     if runtime == "auto":
         why = reason or f"runtime 'auto' picks it on CPUs, and the target is on {device.type}"
         logger.info("the target runs on transformers' forward: the lean runtime %s", why)
     return TreeVerifier(target, layer_ids)
+
+
+_COMPILE = {"auto": "auto", "lean": "off", "compiled": "on"}
 
 
 class SpeculativeGenerator:
@@ -173,9 +178,11 @@ class SpeculativeGenerator:
 
     The target runs on ``runtime`` (:data:`caddtree.checks.RUNTIMES`): ``"auto"`` (the default)
     picks caddtree's lean forward (:mod:`caddtree.models.lean`) on the CPU wherever it runs the
-    model (Llama family, Qwen3), else transformers' own; ``"lean"`` asks for it on any device (on
-    CUDA it has not been run by this project's tests yet); ``self.runtime`` says which was
-    picked. On the CPU the
+    model (Llama family, Qwen3), compiled by inductor where that wins
+    (:mod:`caddtree.models.compiled`: bfloat16 with a C++ compiler), else transformers' own;
+    ``"lean"`` asks for the eager lean forward and ``"compiled"`` for the compiled one, on any
+    device (on CUDA neither has been run by this project's tests yet); ``self.runtime`` says
+    which was picked (``"compiled"``, ``"lean"`` or ``"transformers"``). On the CPU the
     linear layers are packed for oneDNN unless ``pack_weights`` is false
     (:mod:`caddtree.models.packing`); ``packed_layers`` says how many were.
     """

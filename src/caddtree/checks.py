@@ -22,10 +22,12 @@ from .errors import CaddtreeError, InvalidInputError
 METHODS = ("ar", "dflash", "ddtree", "caddtree")
 DEFAULT_DDTREE_BUDGET = 64
 """The node budget of ``method="ddtree"`` when none is given (every front door's default)."""
-RUNTIMES = ("auto", "lean", "transformers")
+RUNTIMES = ("auto", "compiled", "lean", "transformers")
 """The target's forward (``runtime=``, ``--runtime``): ``lean`` is caddtree's own
-(:mod:`caddtree.models.lean`: Llama family and Qwen3), ``transformers`` the model's own, ``auto``
-the lean one on the CPU wherever it runs the model (on CUDA only by name: untested there yet)."""
+(:mod:`caddtree.models.lean`: Llama family and Qwen3), ``compiled`` the same compiled by inductor
+(:mod:`caddtree.models.compiled`), ``transformers`` the model's own, ``auto`` the lean one on the
+CPU wherever it runs the model, compiled where that wins (on CUDA only by name: untested there
+yet)."""
 
 __all__ = [
     "DEFAULT_DDTREE_BUDGET",

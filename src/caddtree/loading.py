@@ -71,9 +71,11 @@ def add_runtime_arguments(parser: Any) -> None:
         choices=RUNTIMES,
         default="auto",
         help="the target's forward: 'lean' is caddtree's own (Llama family and Qwen3; fused, "
-        "packed weights and a static KV cache), 'transformers' the model's own, 'auto' (the "
-        "default) the lean one on the CPU wherever it runs the model (on a GPU ask for 'lean' by "
-        "name: not yet tested there)",
+        "packed weights and a static KV cache), 'compiled' the same compiled by torch.compile "
+        "(the first run on a machine compiles for about a minute, later runs load it from the "
+        "cache), 'transformers' the model's own, 'auto' (the default) the lean one on the CPU "
+        "wherever it runs the model, compiled for bfloat16 where a C++ compiler is present (on a "
+        "GPU ask for 'lean' or 'compiled' by name: not yet tested there)",
     )
     parser.add_argument(
         "--no-weight-packing",

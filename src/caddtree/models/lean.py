@@ -34,9 +34,11 @@ depends on the sequence length, sliding windows, ...); such models keep transfor
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,10 +47,15 @@ from torch import nn
 
 from ..errors import InvalidInputError
 from ..tree import DraftTree
-from .packing import pack_weight, packed_linear, packing_fits
+from .layers import LayerWeights, Shape, decoder_layer, fused_linear, packed_layers_fit, rms_norm
 from .target import TreeVerifier
 
+if TYPE_CHECKING:
+    from .compiled import CompiledLayers
+
 __all__ = ["LEAN_MODEL_TYPES", "LeanTarget", "LeanVerifier", "Rows", "lean_unsupported"]
+
+logger = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "qwen3")
 """``config.model_type`` values the lean runtime runs (Llama family: Llama 2/3, SmolLM2, ...)."""
@@ -89,87 +96,6 @@ def lean_unsupported(model: Any) -> str | None:
     if not weight.dtype.is_floating_point or weight.device.type not in ("cpu", "cuda"):
         return f"its weights are {weight.dtype} on {weight.device.type}"
     return None
-
-
-class _Linear:
-    """A linear layer over a weight made here (a fused one): oneDNN's packed copy alone where
-    packing applies, else the plain weight."""
-
-    __slots__ = ("bias", "packed", "weight")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
-        self.packed = pack_weight(weight) if pack else None
-        self.weight = None if self.packed is not None else weight
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-def _fused(linears: Sequence[nn.Linear], pack: bool) -> _Linear:
-    """One linear layer computing ``linears`` side by side (their outputs concatenated). A single
-    layer's weight is used as it is (no copy); several are stacked into a new weight, which on a
-    device without packing is a second copy of theirs (see the module docstring)."""
-    if len(linears) == 1:
-        bias = linears[0].bias
-        return _Linear(linears[0].weight.detach(), None if bias is None else bias.detach(), pack)
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    biases = [linear.bias for linear in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [
-                b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
-                for b, linear in zip(biases, linears)
-            ]
-        )
-    return _Linear(weight, bias, pack)
-
-
-def _packing_fits(model: Any) -> bool:
-    """Whether packed copies of the decoder layers' linear weights fit in memory
-    (:func:`~caddtree.models.packing.packing_fits`)."""
-    needed = sum(
-        m.weight.numel() * m.weight.element_size()
-        for m in model.model.layers.modules()
-        if isinstance(m, nn.Linear)
-    )
-    return packing_fits(needed, "the lean runtime's linear weights")
-
-
-class _Layer(NamedTuple):
-    input_norm: torch.Tensor
-    qkv: _Linear
-    qk_norm: torch.Tensor | None  # Qwen3: q_norm's weight for each query head, then k_norm's
-    o: _Linear
-    post_norm: torch.Tensor
-    gate_up: _Linear
-    down: _Linear
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm: normalised in float32, scaled in the input dtype. Op for op
-    in float64 (whose tests compare with transformers to rounding); torch's own kernel, one call
-    instead of eight, in the dtypes that compute in float32 anyway (float32: the same numbers;
-    half dtypes: one rounding fewer). ``weight`` [D], or [heads, D] for x [..., heads, D]."""
-    if x.dtype is not torch.float64:
-        if weight.ndim == 1:
-            return F.rms_norm(x, weight.shape, weight, eps)
-        return F.rms_norm(x, x.shape[-1:], None, eps) * weight  # a weight per head
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as transformers applies it, ``x * cos + rotate_half(x) * sin``, in three ops:
-    ``rotate_half(x) * sin`` is ``[x2, x1] * [-sin_1, sin_2]`` (``signed_sin``), and swapping the
-    halves is a flip of the ``[2, D/2]`` view."""
-    shape = x.shape
-    swapped = x.unflatten(-1, (2, shape[-1] // 2)).flip(-2).reshape(shape)
-    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 @dataclass
@@ -305,7 +231,15 @@ class LeanTarget:
         pack: on the CPU, keep the fused weights packed for oneDNN.
     """
 
-    def __init__(self, model: Any, feature_layer_ids: Sequence[int], *, pack: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        feature_layer_ids: Sequence[int],
+        *,
+        pack: bool = True,
+        compile: bool = False,
+        progress: bool = True,
+    ) -> None:
         reason = lean_unsupported(model)
         if reason is not None:
             raise InvalidInputError(f"the lean runtime cannot run this model: {reason}")
@@ -319,19 +253,50 @@ class LeanTarget:
         self.scale = self.head_dim**-0.5
         embeddings = model.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
-        self.pack = bool(pack) and _packing_fits(model)
+        self.pack = bool(pack) and packed_layers_fit(model)
         self.layers = [self._layer(layer) for layer in model.model.layers]
-        self.qk_v_sizes = [
-            (self.heads + self.kv_heads) * self.head_dim,
-            self.kv_heads * self.head_dim,
-        ]
+        self.shape = Shape(self.heads, self.kv_heads, self.head_dim, self.eps)
         self.slots, self.capacity = 0, 0
         self._written: list[int] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)
+        self.final_norm_weight = model.model.norm.weight.detach()
+        self.compiled: CompiledLayers | None = None
+        if compile:
+            self.compile(progress)
 
-    def _layer(self, layer: Any) -> _Layer:
+    def compile(self, progress: bool = True) -> None:
+        """Compile the layers (:mod:`caddtree.models.compiled`) before the cache is reserved;
+        refused, with the reason, where they cannot be."""
+        from .compiled import CompiledLayers, compile_progress, compile_unsupported
+
+        reason = compile_unsupported(self)
+        if reason is not None:
+            raise InvalidInputError(f"the compiled runtime cannot run this model: {reason}")
+        self.compiled = CompiledLayers(self)
+        with compile_progress(progress, 2) as bar:
+            for n, what in ((1, "one row"), (2, "tree rows")):
+                bar.set_postfix_str(what)
+                self._warm_up(n)
+                bar.update()
+
+    def _warm_up(self, n: int) -> None:
+        """Compile (or load from inductor's on-disk cache) the graph of ``n`` rows now, on a
+        scratch cache, so that no generation waits for it. Two cache entries come first: sizes
+        0 and 1 would be specialised in the graphs."""
+        if self.slots or self.capacity:
+            raise RuntimeError("compile the layers before the cache is reserved")
+        self.reserve(1, 0)
+        try:
+            tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+            positions = torch.arange(2, 2 + n, device=self.device)
+            visibility = None if n == 1 else np.tril(np.ones((n, n), dtype=bool))
+            self.forward(Rows.single(tokens, positions, 2, visibility))
+        finally:
+            self.release()
+
+    def _layer(self, layer: Any) -> LayerWeights:
         attention, mlp = layer.self_attn, layer.mlp
         q_norm = getattr(attention, "q_norm", None)
         qk_norm = None
@@ -342,14 +307,14 @@ class LeanTarget:
                     attention.k_norm.weight.detach().expand(self.kv_heads, -1),
                 )
             )
-        return _Layer(
+        return LayerWeights(
             layer.input_layernorm.weight.detach(),
-            _fused([attention.q_proj, attention.k_proj, attention.v_proj], self.pack),
+            fused_linear([attention.q_proj, attention.k_proj, attention.v_proj], self.pack),
             qk_norm,
-            _fused([attention.o_proj], self.pack),
+            fused_linear([attention.o_proj], self.pack),
             layer.post_attention_layernorm.weight.detach(),
-            _fused([mlp.gate_proj, mlp.up_proj], self.pack),
-            _fused([mlp.down_proj], self.pack),
+            fused_linear([mlp.gate_proj, mlp.up_proj], self.pack),
+            fused_linear([mlp.down_proj], self.pack),
         )
 
     # ---- the cache ------------------------------------------------------------------------------
@@ -369,6 +334,9 @@ class LeanTarget:
         self.values = [
             torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers
         ]
+        if self.compiled is not None:  # one graph for every capacity: no recompile on growth
+            for cache in self.keys + self.values:
+                torch._dynamo.mark_dynamic(cache, 2)
         for slot, used in enumerate(keep):
             if used:
                 for new, prev in zip(self.keys + self.values, old[0] + old[1]):
@@ -440,17 +408,11 @@ class LeanTarget:
         self._ensure_positions(int(rows.positions.max()) + 1)
         cos, sin = self._cos[rows.positions], self._sin[rows.positions]
         x = self.model.model.embed_tokens(rows.tokens)
-        outputs: dict[int, torch.Tensor] = {}
-        last = len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            x = self._decoder_layer(index, layer, x, cos, sin, rows)
-            if index in self.feature_layer_ids:
-                outputs[index] = x
-        # transformers' hidden states end with the final norm's output, not the last layer's
-        normed = self._final_norm(x if last in outputs or logits_rows is None else x[logits_rows])
-        if last in outputs:
-            outputs[last] = normed
+        if self.compiled is not None and self.compiled.serves(rows, logits_rows):
+            normed, outputs = self.compiled(x, cos, sin, rows)
             normed = normed if logits_rows is None else normed[logits_rows]
+        else:
+            normed, outputs = self._layers(x, cos, sin, rows, logits_rows)
         features = (
             torch.cat([outputs[i] for i in self.feature_layer_ids], -1)
             if outputs
@@ -458,30 +420,37 @@ class LeanTarget:
         )
         return self.model.lm_head(normed), features
 
-    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.model.model.norm.weight, self.eps)
-
-    def _decoder_layer(
+    def _layers(
         self,
-        index: int,
-        layer: _Layer,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         rows: Rows,
+        logits_rows: torch.Tensor | slice | None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The eager layers: the final norm's output of the ``logits_rows`` (all: ``None``) and
+        the feature layers' outputs."""
+        outputs: dict[int, torch.Tensor] = {}
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            attend = partial(self._write_and_attend, index, rows)
+            x = decoder_layer(layer, self.shape, x, cos, sin, attend)
+            if index in self.feature_layer_ids:
+                outputs[index] = x
+        # transformers' hidden states end with the final norm's output, not the last layer's
+        if last in outputs:
+            outputs[last] = normed = self._final_norm(x)
+            return (normed if logits_rows is None else normed[logits_rows]), outputs
+        return self._final_norm(x if logits_rows is None else x[logits_rows]), outputs
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.final_norm_weight, self.eps)
+
+    def _write_and_attend(
+        self, index: int, rows: Rows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        n = x.shape[0]
-        # q and k are neighbours in the fused output: normed (Qwen3) and rotated together
-        qk, v = layer.qkv(_rms_norm(x, layer.input_norm, self.eps)).split(self.qk_v_sizes, -1)
-        qk = qk.view(n, self.heads + self.kv_heads, self.head_dim)
-        v = v.view(n, self.kv_heads, self.head_dim)
-        if layer.qk_norm is not None:
-            qk = _rms_norm(qk, layer.qk_norm, self.eps)
-        q, k = _rotate(qk, cos, sin).split((self.heads, self.kv_heads), 1)
         self._write(index, k, v, rows)
-        x = x + layer.o(self._attend(index, q, rows))
-        gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, self.eps)).chunk(2, -1)
-        return x + layer.down(F.silu(gate) * up)
+        return self._attend(index, q, rows)
 
     def _write(self, index: int, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
         keys, values = self.keys[index], self.values[index]
@@ -545,14 +514,51 @@ class LeanVerifier(TreeVerifier):
     """:class:`~caddtree.models.target.TreeVerifier` on :class:`LeanTarget` (one sequence, in
     slot 0): the same protocol, outputs and lossless guarantees, without transformers' forward.
 
-    ``pack``: on the CPU, keep the fused linear weights packed for oneDNN."""
+    ``pack``: on the CPU, keep the fused linear weights packed for oneDNN. ``compile``:
+    ``"on"`` compiles the layers (:mod:`caddtree.models.compiled`; refused where they cannot be),
+    ``"off"`` keeps them eager, ``"auto"`` compiles bfloat16 layers where they can be and falls
+    back to eager, with a warning, if compiling fails. ``runtime`` says which runs.
+    ``progress``: show the first compile's progress line."""
 
-    runtime = "lean"
-
-    def __init__(self, model: Any, feature_layer_ids: Sequence[int], *, pack: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        feature_layer_ids: Sequence[int],
+        *,
+        pack: bool = True,
+        compile: str = "off",
+        progress: bool = True,
+    ) -> None:
         self._setup(model, feature_layer_ids)
         self.target = LeanTarget(model, self.feature_layer_ids, pack=pack)
+        if compile == "on" or (compile == "auto" and self._compiles_well()):
+            self._compile(compile, progress)
+        self.runtime = "lean" if self.target.compiled is None else "compiled"
         self.reset()
+
+    def _compiles_well(self) -> bool:
+        """Whether ``auto`` compiles: bfloat16 layers that can be (float32 compiled was no faster
+        than eager on this project's CPU; see :mod:`caddtree.models.compiled`)."""
+        from .compiled import compile_unsupported
+
+        return self.target.dtype is torch.bfloat16 and compile_unsupported(self.target) is None
+
+    def _compile(self, compile: str, progress: bool) -> None:
+        try:
+            self.target.compile(progress)
+        except InvalidInputError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a compiler failure leaves the eager runtime
+            if compile == "on":
+                raise
+            self.target.compiled = None
+            self.target.release()
+            logger.warning(
+                "compiling the target's layers failed (%s: %s); running them eagerly (runtime "
+                "'lean'). Ask for --runtime lean to skip the attempt",
+                type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "",
+            )
 
     def packed_layers(self) -> int:
         return sum(

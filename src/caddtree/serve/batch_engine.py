@@ -53,7 +53,7 @@ class BatchEngine(Engine):
         on_round: Any = None,
         torch_thread: Any = None,
     ):
-        if getattr(generator, "runtime", None) != "lean":
+        if getattr(generator, "runtime", None) not in ("lean", "compiled"):
             raise InvalidInputError(
                 "serving several requests at once (--max-batch above 1) needs the lean runtime; "
                 "this target runs on transformers' forward"

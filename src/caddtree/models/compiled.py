@@ -1,0 +1,272 @@
+"""The lean runtime's decoder layers compiled by ``torch.compile`` (inductor): the ``compiled``
+runtime.
+
+:class:`~caddtree.models.lean.LeanTarget` pays a fixed cost per torch call (about 40 calls per
+decoder layer: norms, rotary, cache writes, attention, residuals), and on a small model on a CPU
+that cost is a large share of a forward. Compiled, the elementwise work of a layer is fused into a
+few C++ loops and the layer loop runs as generated C++ (``cpp_wrapper``), calling the same oneDNN
+packed linear kernels and the same attention kernel as the eager runtime.
+
+Two graphs serve every call of one sequence (cache slot 0 of a one-slot cache) after the prompt:
+
+* **one row** (plain decoding, and trees of the root alone): attention without a mask;
+* **a tree of n >= 2 rows**: attention under the tree's boolean mask.
+
+Both are compiled once for every context length, cache capacity and (the tree graph) row count:
+those sizes are dynamic in the graphs, so a generation never waits for a recompile. A prompt (a
+causal prefill), several sequences per call and calls that want only some rows' logits run the
+eager runtime. The arithmetic is the eager runtime's: :func:`~caddtree.models.lean.decoder_layer`
+is traced as it is, only its cache step (:func:`_attend`) is written for static graphs.
+
+**Weights stay inputs.** The graphs take the packed weights as inputs instead of freezing them
+into the graph (inductor's ``freezing``), so that inductor's on-disk caches (FX graph and
+AOTAutograd) keep the compiled code between processes: the first run on a machine compiles, for
+about a minute on two cores, and later runs load the code in seconds. Inductor lowers oneDNN's
+packed linear only for frozen weights; :func:`_lower_unfrozen_packed_linear` makes it call the
+same kernel for weights given as inputs. The cache is ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
+``<caddtree cache>/inductor`` (:func:`caddtree.defaults.cache_root`).
+
+**Where it runs.** ``runtime="auto"`` picks it on the CPU for bfloat16 targets whose linear
+layers are packed, where a C++ compiler is present (inductor needs one); float32 compiled lost or
+tied to eager on this project's 2-core CPU, so it stays eager unless asked for by name. On CUDA the
+same graphs compile without CUDA graphs (their dynamic sizes would re-record per length); that
+path has not been run yet, as no GPU has been available to this project.
+
+Compiled bfloat16 logits differ from eager bfloat16 in the last bits (another order of the same
+sums), so every method of a generator runs through the same runtime: plain decoding and tree
+verification through the same graphs, and outputs stay lossless against plain decoding on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..defaults import cache_root
+from .layers import LayerWeights, Shape, decoder_layer, rms_norm
+
+__all__ = ["CompiledLayers", "compile_progress", "compile_unsupported"]
+
+logger = logging.getLogger(__name__)
+
+_RECOMPILE_LIMIT = 64
+
+
+def compile_unsupported(target: Any) -> str | None:
+    """Why a :class:`~caddtree.models.lean.LeanTarget`'s layers cannot be compiled here (``None``: they can)."""
+    if not hasattr(torch, "compile"):
+        return "this PyTorch has no torch.compile"
+    if target.device.type == "cpu":
+        if target.dtype not in (torch.bfloat16, torch.float32):
+            return f"inductor's CPU path is not used for {target.dtype} here (bfloat16, float32)"
+        if not target.pack:
+            return "its linear layers are not packed for oneDNN (compiled plain linears are slow)"
+        if not _cxx_compiler():
+            return "no C++ compiler was found (inductor needs one: install g++ or set CXX)"
+    return None
+
+
+def _cxx_compiler() -> str | None:
+    return next(
+        (
+            found
+            for name in (os.environ.get("CXX"), "g++", "c++", "clang++")
+            if name
+            for found in [shutil.which(name)]
+            if found
+        ),
+        None,
+    )
+
+
+def _lower_unfrozen_packed_linear() -> None:
+    """Let inductor compile oneDNN's packed linear (``mkldnn._linear_pointwise``) whose weight
+    is a graph input: its lowering asserts a frozen weight, so for any other weight the op is
+    called as it is (an extern kernel), and a fused residual add is split off again."""
+    from torch._inductor import lowering
+    from torch._inductor.virtualized import V
+
+    unary = torch.ops.mkldnn._linear_pointwise.default
+    binary = torch.ops.mkldnn._linear_pointwise.binary
+    if getattr(lowering.lowerings.get(unary), "_caddtree", False):
+        return
+    frozen_unary, frozen_binary = lowering.lowerings[unary], lowering.lowerings[binary]
+    call_unary = lowering.fallback_handler(unary, add_to_fallback_set=False)
+    add = lowering.lowerings[torch.ops.aten.add.Tensor]
+
+    def frozen(weight: Any) -> bool:
+        name = weight.get_name() if hasattr(weight, "get_name") else None
+        return name in V.graph.constants
+
+    def lower_unary(x: Any, weight: Any, *args: Any, **kwargs: Any) -> Any:
+        if frozen(weight):
+            return frozen_unary(x, weight, *args, **kwargs)
+        return call_unary(x, weight, *args, **kwargs)
+
+    def lower_binary(
+        x: Any, other: Any, weight: Any, bias: Any, attr: str, *a: Any, **k: Any
+    ) -> Any:
+        if frozen(weight) or attr != "add":
+            return frozen_binary(x, other, weight, bias, attr, *a, **k)
+        return add(call_unary(x, weight, bias, "none", [], ""), other)
+
+    lower_unary._caddtree = True  # type: ignore[attr-defined]
+    lowering.lowerings[unary], lowering.lowerings[binary] = lower_unary, lower_binary
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    shape: Shape,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    entries: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Write the rows' keys and values at cache ``entries`` and attend over the first
+    ``mask.shape[-1]`` entries; one row needs no mask (its grouped query heads are stacked as
+    its key/value head's queries), a tree takes ``mask`` [1, 1, n, L]."""
+    n, length = q.shape[0], mask.shape[-1]
+    keys.index_copy_(2, entries, k.transpose(0, 1)[None])
+    values.index_copy_(2, entries, v.transpose(0, 1)[None])
+    k_seen, v_seen = keys[:, :, :length], values[:, :, :length]
+    scale = shape.head_dim**-0.5
+    if n == 1:
+        groups = shape.heads // shape.kv_heads
+        query = q.reshape(1, shape.kv_heads, groups, shape.head_dim)
+        return F.scaled_dot_product_attention(query, k_seen, v_seen, scale=scale).reshape(1, -1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k_seen,
+        v_seen,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=shape.heads != shape.kv_heads,
+    )
+    return out.transpose(1, 2).reshape(n, -1)
+
+
+def _layers(
+    layers: Sequence[LayerWeights],
+    shape: Shape,
+    feature_ids: tuple[int, ...],
+    final_norm: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
+    mask: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """What the graphs compute: every decoder layer, then the final norm. Returns the normed
+    last hidden state and the feature layers' outputs (the last layer's is the normed one)."""
+    outputs: dict[int, torch.Tensor] = {}
+    for index, layer in enumerate(layers):
+        attend = partial(
+            _attend, shape=shape, keys=keys[index], values=values[index], entries=entries, mask=mask
+        )
+        x = decoder_layer(layer, shape, x, cos, sin, attend)
+        if index in feature_ids:
+            outputs[index] = x
+    normed = rms_norm(x, final_norm, shape.eps)
+    if len(layers) - 1 in outputs:
+        outputs[len(layers) - 1] = normed
+    return normed, outputs
+
+
+class CompiledLayers:
+    """The compiled layers of one :class:`~caddtree.models.lean.LeanTarget` (see the module
+    docstring); :meth:`serves` says which calls (:class:`~caddtree.models.lean.Rows`) they take,
+    :meth:`__call__` runs one. The target compiles both graphs when it makes them
+    (:meth:`~caddtree.models.lean.LeanTarget.compile`)."""
+
+    def __init__(self, target: Any) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        if target.device.type == "cpu":
+            _lower_unfrozen_packed_linear()
+        self.target = target
+        # Dynamo keeps up to recompile_limit graphs per function: two per model shape here
+        # (one row, trees), so a process running several models needs more than the default 8.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
+        options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+        self._graph = torch.compile(
+            _layers,
+            dynamic=False,
+            fullgraph=True,
+            options=options if target.device.type == "cpu" else None,
+        )
+
+    def serves(self, rows: Any, logits_rows: Any) -> bool:
+        """Whether a call goes to the graphs: one sequence in a one-slot cache, after its prompt
+        (not a causal prefill), every row's logits wanted (or one row)."""
+        return (
+            self.target.slots == 1
+            and len(rows.slots) == 1
+            and not rows.causal
+            and (logits_rows is None or rows.counts[0] == 1)
+        )
+
+    @torch.no_grad()
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Any
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        target, n, start = self.target, x.shape[0], rows.starts[0]
+        entries = torch.arange(start, start + n, device=x.device)
+        mask = rows.mask
+        if mask is None:  # one row: the mask only carries the attended length
+            mask = torch.ones((1, 1, 1, start + n), dtype=torch.bool, device=x.device)
+        for tensor, dims in (
+            (x, (0,) if n > 1 else ()),
+            (cos, (0,) if n > 1 else ()),
+            (sin, (0,) if n > 1 else ()),
+            (entries, (0,) if n > 1 else ()),
+            (mask, (2, 3) if n > 1 else (3,)),
+        ):
+            for dim in dims:
+                torch._dynamo.mark_dynamic(tensor, dim)
+        return self._graph(
+            target.layers,
+            target.shape,
+            target.feature_layer_ids,
+            target.final_norm_weight,
+            x,
+            cos,
+            sin,
+            entries,
+            mask,
+            target.keys,
+            target.values,
+        )
+
+
+@contextmanager
+def compile_progress(progress: bool, total: int) -> Iterator[Any]:
+    """A progress line for compiling ``total`` graphs (silent where ``progress`` is false),
+    closed after them, with the time taken logged."""
+    from tqdm.auto import tqdm
+
+    began = time.perf_counter()
+    bar = tqdm(
+        total=total,
+        desc="compiling the target's layers (first run on this machine: about a minute)",
+        leave=False,
+        disable=not progress,
+    )
+    try:
+        yield bar
+    finally:
+        bar.close()
+    logger.info("compiled layers ready in %.1f s", time.perf_counter() - began)

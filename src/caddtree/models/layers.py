@@ -1,0 +1,155 @@
+"""The arithmetic of a Llama-family / Qwen3 decoder layer, shared by the lean runtime's eager
+forward (:mod:`caddtree.models.lean`) and its compiled graphs (:mod:`caddtree.models.compiled`):
+fused linear layers (packed for oneDNN on the CPU), RMSNorm, rotary embedding and the layer itself,
+with the cache's part (writing keys and values, attending) left to the caller (:data:`Attend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .packing import pack_weight, packed_linear, packing_fits
+
+__all__ = [
+    "Attend",
+    "LayerWeights",
+    "Linear",
+    "Shape",
+    "decoder_layer",
+    "fused_linear",
+    "packed_layers_fit",
+    "rms_norm",
+    "rotate",
+]
+
+
+class Linear(NamedTuple):
+    """A linear layer over a weight made here (a fused one): oneDNN's packed copy alone where
+    packing applies (:meth:`of`), else the plain weight. A tuple of tensors, so that a compiled
+    graph taking it checks no more than its tensors."""
+
+    packed: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
+        packed = pack_weight(weight) if pack else None
+        return cls(packed, None if packed is not None else weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def fused_linear(linears: Sequence[nn.Linear], pack: bool) -> Linear:
+    """One linear layer computing ``linears`` side by side (their outputs concatenated). A single
+    layer's weight is used as it is (no copy); several are stacked into a new weight, which on a
+    device without packing is a second copy of theirs (see the module docstring)."""
+    if len(linears) == 1:
+        bias = linears[0].bias
+        return Linear.of(linears[0].weight.detach(), None if bias is None else bias.detach(), pack)
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
+                for b, linear in zip(biases, linears)
+            ]
+        )
+    return Linear.of(weight, bias, pack)
+
+
+def packed_layers_fit(model: Any) -> bool:
+    """Whether packed copies of the decoder layers' linear weights fit in memory
+    (:func:`~caddtree.models.packing.packing_fits`)."""
+    needed = sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.model.layers.modules()
+        if isinstance(m, nn.Linear)
+    )
+    return packing_fits(needed, "the lean runtime's linear weights")
+
+
+class LayerWeights(NamedTuple):
+    input_norm: torch.Tensor
+    qkv: Linear
+    qk_norm: torch.Tensor | None  # Qwen3: q_norm's weight for each query head, then k_norm's
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalised in float32, scaled in the input dtype. Op for op
+    in float64 (whose tests compare with transformers to rounding); torch's own kernel, one call
+    instead of eight, in the dtypes that compute in float32 anyway (float32: the same numbers;
+    half dtypes: one rounding fewer). ``weight`` [D], or [heads, D] for x [..., heads, D]."""
+    if x.dtype is not torch.float64:
+        if weight.ndim == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight  # a weight per head
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it, ``x * cos + rotate_half(x) * sin``, in three ops:
+    ``rotate_half(x) * sin`` is ``[x2, x1] * [-sin_1, sin_2]`` (``signed_sin``), and swapping the
+    halves is a flip of the ``[2, D/2]`` view."""
+    shape = x.shape
+    swapped = x.unflatten(-1, (2, shape[-1] // 2)).flip(-2).reshape(shape)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+class Shape(NamedTuple):
+    """A model's attention shape and norm epsilon, as the decoder layers need them."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def qk_v_sizes(self) -> tuple[int, int]:
+        """Widths of the fused q/k/v output's two parts: q and k together, then v."""
+        return ((self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(q [N, H, D], k [N, kv, D], v [N, kv, D]) -> [N, H*D]``: stores a layer's new keys and
+values in its cache and returns the rows' attention output."""
+
+
+def decoder_layer(
+    layer: LayerWeights,
+    shape: Shape,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+) -> torch.Tensor:
+    """One decoder layer over rows ``x`` [N, hidden] whose rotary tables are ``cos``/``sin``;
+    ``attend`` does the cache's part (eager: :class:`LeanTarget`; compiled:
+    :mod:`caddtree.models.compiled`)."""
+    n = x.shape[0]
+    # q and k are neighbours in the fused output: normed (Qwen3) and rotated together
+    qk, v = layer.qkv(rms_norm(x, layer.input_norm, shape.eps)).split(shape.qk_v_sizes, -1)
+    qk = qk.view(n, shape.heads + shape.kv_heads, shape.head_dim)
+    v = v.view(n, shape.kv_heads, shape.head_dim)
+    if layer.qk_norm is not None:
+        qk = rms_norm(qk, layer.qk_norm, shape.eps)
+    q, k = rotate(qk, cos, sin).split((shape.heads, shape.kv_heads), 1)
+    x = x + layer.o(attend(q, k, v))
+    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, shape.eps)).chunk(2, -1)
+    return x + layer.down(F.silu(gate) * up)

@@ -1,0 +1,131 @@
+"""The compiled runtime (caddtree.models.compiled) computes what transformers computes.
+
+On the tiny Llama and Qwen3 targets in float32 (inductor's CPU path needs packed weights, which
+float64 has not): logits and feature layers within 1e-4 relative of transformers' through a
+generation (prefill, trees, lone rows, compactions, truncation), no recompile when the context
+or the cache grows, and every method's output equal to plain decoding's on the same runtime.
+The first run compiles the tiny graphs (tens of seconds); later runs load them from inductor's
+on-disk cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from caddtree import InvalidInputError, SpeculativeGenerator
+from caddtree.models import TreeVerifier, lean
+from caddtree.models.compiled import CompiledLayers
+from caddtree.models.lean import LeanVerifier
+from caddtree.tree import DraftTree
+from test_lean import LAYERS, assert_same, deep_path, prompt, tree
+from tiny_models import llama_target, new_drafter, qwen3_target
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request):
+    make = {"qwen3": qwen3_target, "llama": llama_target}[request.param]
+    return make("sdpa").to(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    """A compiled verifier of ``model`` (compiled once per module: the graphs are shared)."""
+    verifier = LeanVerifier(model, LAYERS, compile="on", progress=False)
+    if verifier.runtime != "compiled":
+        pytest.fail("the compiled runtime did not compile")
+    return verifier
+
+
+def graphs_compiled() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def test_logits_and_features_equal_transformers_through_a_generation(model, compiled):
+    theirs = TreeVerifier(model, LAYERS)
+    compiled.reset(reserve=64)
+    theirs.reset(reserve=64)
+    for a, b in zip(compiled.prefill(prompt(0)), theirs.prefill(prompt(0))):
+        assert_same(a, b, model.dtype)
+    for seed in range(5):
+        t = tree(seed) if seed not in (2, 4) else DraftTree.empty()
+        for a, b in zip(compiled.verify(7 + seed, t), theirs.verify(7 + seed, t)):
+            assert_same(a, b, model.dtype)
+        path = deep_path(t) if len(t) else [0]
+        assert_same(compiled.commit(path), theirs.commit(path), model.dtype)
+    for v in (compiled, theirs):
+        v.truncate(11)
+    for a, b in zip(compiled.verify(3, tree(9)), theirs.verify(3, tree(9))):
+        assert_same(a, b, model.dtype)
+
+
+def test_calls_after_the_prompt_run_the_graphs_and_never_recompile(model, compiled, monkeypatch):
+    """Longer contexts, other tree sizes and a cache that grows all reuse the two graphs."""
+    monkeypatch.setattr(lean, "_MIN_CAPACITY", 16)
+    theirs = TreeVerifier(model, LAYERS)
+    compiled.target.release()
+    compiled.reset(reserve=1)
+    theirs.reset()
+    assert compiled.target.capacity == 16
+    compiled.prefill(prompt(3, 12))
+    theirs.prefill(prompt(3, 12))
+    calls = []
+    monkeypatch.setattr(CompiledLayers, "__call__", _counting(CompiledLayers.__call__, calls))
+    before, first_capacity = graphs_compiled(), compiled.target.capacity
+    for budget in (3, 10, 17, 1, 6, 12):
+        t = tree(budget, budget) if budget > 1 else DraftTree.empty()
+        for a, b in zip(compiled.verify(2, t), theirs.verify(2, t)):
+            assert_same(a, b, model.dtype)
+        path = deep_path(t) if len(t) else [0]
+        compiled.commit(path)
+        theirs.commit(path)
+    assert compiled.target.capacity > first_capacity  # it grew
+    assert len(calls) == 6
+    assert graphs_compiled() == before
+
+
+def _counting(call, calls):
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return call(self, *args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree", "caddtree"])
+def test_every_method_equals_plain_decoding_on_the_compiled_runtime(
+    model, compiled, method, cost_file
+):
+    del compiled  # compiled first, so that the generator below loads the graphs
+    gen = SpeculativeGenerator(
+        model, None, new_drafter(model).to(torch.float32), runtime="compiled", cost_model=cost_file
+    )
+    assert gen.runtime == "compiled"
+    ids = prompt(4, 10)
+    ar = gen.generate(ids, method="ar", max_new_tokens=40)
+    extra = {"budget": 6} if method == "ddtree" else {}
+    out = gen.generate(ids, method=method, max_new_tokens=40, **extra)
+    assert out.token_ids == ar.token_ids
+
+
+def test_it_is_refused_where_it_cannot_run_and_auto_falls_back(model, monkeypatch, caplog):
+    with pytest.raises(InvalidInputError, match="compiled runtime cannot run this model"):
+        LeanVerifier(model.to(torch.float64), (), compile="on")
+    model.to(torch.float32)
+    assert LeanVerifier(model, (), compile="auto").runtime == "lean"  # float32: eager wins
+
+    def broken(self, n):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(lean.LeanTarget, "_warm_up", broken)
+    bf16 = qwen3_target("sdpa").to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="caddtree.models.lean"):
+        fallen = LeanVerifier(bf16, (), compile="auto")
+    assert fallen.runtime == "lean" and "compiling the target's layers failed" in caplog.text
+    assert "no compiler today" in caplog.text
+    fallen.reset()
+    assert torch.isfinite(fallen.prefill([1, 2, 3])[0]).all()  # the eager runtime runs
+    with pytest.raises(RuntimeError, match="no compiler today"):
+        LeanVerifier(bf16, (), compile="on")
