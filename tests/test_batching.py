@@ -126,8 +126,8 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
     seen = []
     original = batch._joint_trees
 
-    def spy():
-        trees = original()
+    def spy(drafts):
+        trees = original(drafts)
         seen.append(trees)
         return trees
 
@@ -138,6 +138,37 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
         assert request.output == reference
     assert all(trees is not None for trees in seen)
     assert any(sum(len(t) for t in trees) > 0 for trees in seen)  # the joint trees were verified
+
+
+@pytest.mark.parametrize("draft_cost", [0.0, 1.0])
+def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_cost):
+    """Where a drafter pass costs more than any tree can win back, joint rounds decode plainly
+    without drafting (for a few rounds, then try again); the drafter still receives every
+    committed token's features when it drafts again, so outputs stay plain greedy decoding. A
+    free drafter pass is never skipped (a round with no nodes ties with plain decoding)."""
+    from caddtree import batching
+
+    batch = BatchDecoder(
+        LeanTarget(qwen3, FEATURE_LAYER_IDS),
+        drafter,
+        max_batch=3,
+        capacity=80,
+        joint_cost_model=COST,
+        joint_max_nodes=24,
+    )
+    batch._draft_cost = lambda sequences, model: draft_cost  # the timed cost, made exact here
+    passes = []
+    propose = batch.proposer.propose
+    batch.proposer.propose = lambda calls: passes.append(len(calls)) or propose(calls)
+    caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
+    done = batch.run([GenerationRequest(p, caddtree, 40) for p in PROMPTS[:3]])
+    for request in done:
+        assert request.output == hf_generate(qwen3, list(request.prompt_ids), 40)
+    rounds = max(r.rounds for r in done)
+    if draft_cost == 0.0:  # every round drafts but a last one with one token left
+        assert len(passes) >= rounds - 1
+    else:
+        assert len(passes) <= rounds // (batching._SKIP_ROUNDS + 1) + 1
 
 
 def test_requests_made_by_the_generator_decode_as_generate_does(tiny_pair_dirs):

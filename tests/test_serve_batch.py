@@ -160,3 +160,18 @@ def post_ok(tiny_pair_dirs):
         return post(server, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 4}))
     finally:
         server.stop()
+
+
+def test_caddtree_requests_share_a_joint_budget_unless_told_not_to(tiny_pair_dirs, cost_file):
+    target, draft = tiny_pair_dirs
+    gen = SpeculativeGenerator.from_pretrained(
+        target, draft, dtype="float64", device="cpu", cost_model=cost_file
+    )
+    joint = build_app(gen, model_name=MODEL, max_batch=2).state.engine
+    alone = build_app(gen, model_name=MODEL, max_batch=2, batch_budget="per-request").state.engine
+    try:
+        assert joint.decoder.joint_cost_model is gen.cost_model
+        assert alone.decoder.joint_cost_model is None
+    finally:
+        joint.stop()
+        alone.stop()

@@ -5,8 +5,10 @@
 prefills one and chooses its first token) and leave when they finish (:meth:`BatchDecoder.step`
 returns them and frees their slots): continuous batching. Each round
 
-1. drafts for every request that drafts (one drafter pass each, on its own drafter cache) and
-   builds its tree with its own policy (AR, DFlash, DDTree, CaDDTree);
+1. drafts for every request that drafts, all in **one** drafter pass
+   (:class:`~caddtree.models.batch_proposer.BatchProposer`: each request's block sees only its
+   own drafter cache slot), and builds each request's tree with its own policy (AR, DFlash,
+   DDTree, CaDDTree);
 2. verifies all the trees in **one** target forward (:meth:`LeanTarget.forward` of
    :class:`~caddtree.models.lean.Rows`: each request's rows see only its own cache and tree);
 3. walks each request's tree with its own sampler, stops it where plain decoding would stop, and
@@ -21,6 +23,7 @@ decode`, which stays the single-request loop with every analysis hook.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -31,7 +34,9 @@ from .checks import check_int
 from .cost import CostModel
 from .decoding import RoundStats, _stop_point
 from .errors import InvalidInputError
+from .models.batch_proposer import BatchProposer, DraftCall
 from .models.lean import LeanTarget, Rows
+from .models.proposer import DraftLogits
 from .models.target import tree_position_ids
 from .requests import GenerationRequest
 from .sampling import TokenContext, walk_tree
@@ -39,18 +44,20 @@ from .tree import DraftTree, build_joint_caddtrees
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
 
+_DRAFT_TIMES = 16  # drafter passes remembered per batch size, for the joint budget's pricing
+_SKIP_ROUNDS = 8  # rounds without drafting after a joint round where drafting did not pay
+
 
 @dataclass(eq=False)
 class _Running:
-    """A request in a slot: where its context ends, its next bonus token, the features of its
-    newest tokens (for its drafter) and its drafter's own cache."""
+    """A request in a slot: where its context ends, its next bonus token and the features of
+    its newest tokens (for the drafter, which keeps its context in the same slot)."""
 
     request: GenerationRequest
     slot: int
     length: int
     bonus: int
     features: torch.Tensor
-    proposer: object | None
     context: TokenContext | None
 
 
@@ -80,7 +87,12 @@ class BatchDecoder:
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
         self.capacity = check_int("capacity", capacity, minimum=2)
         target.reserve(self.max_batch, self.capacity)
+        self.proposer = (
+            BatchProposer(drafter, target.model, self.max_batch) if drafter is not None else None
+        )
         self._free = list(range(self.max_batch))
+        self._draft_times: dict[int, deque[float]] = {}  # drafter pass seconds, by sequences
+        self._skip = (0, 0)  # (batch size, rounds left) that decode without drafting
         self._running: list[_Running] = []
 
     @property
@@ -136,19 +148,19 @@ class BatchDecoder:
         rows = Rows.batch([(slot, 0, prompt, range(len(prompt)), None)], self.target.device)
         logits, features = self.target.forward(rows, slice(len(prompt) - 1, len(prompt)))
         bonus = sampler.choose(logits[-1], context.ids() if context is not None else None)
-        proposer = None
-        if request.policy.needs_drafter:
-            from .models.proposer import DFlashProposer
-
-            proposer = DFlashProposer(self.drafter, self.target.model)
-        return _Running(request, slot, len(prompt), bonus, features[None], proposer, context)
+        if self.proposer is not None:
+            self.proposer.reset(slot)
+        return _Running(request, slot, len(prompt), bonus, features, context)
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request; returns the ones that finished in it."""
         if not self._running:
             return []
         start = time.perf_counter()
-        trees = self._joint_trees() or [self._tree(r) for r in self._running]
+        drafts = self._drafts()
+        trees = self._joint_trees(drafts) or [
+            self._tree(r, d) for r, d in zip(self._running, drafts)
+        ]
         # a tree fits what is left of its slot (the best-first order's first nodes: still a tree)
         trees = [
             _first_nodes(t, self.capacity - r.length - 1) for r, t in zip(self._running, trees)
@@ -201,47 +213,91 @@ class BatchDecoder:
 
     # ---- a round's steps, per request --------------------------------------------------------
 
-    def _draft(self, running: _Running) -> object | None:
-        """The request's draft logits for this round (``None``: it does not draft now)."""
-        request = running.request
-        max_depth = request.max_new_tokens - len(request.output) - 1
-        if not request.policy.needs_drafter or max_depth <= 0:
-            return None
-        return running.proposer.propose_lazy(running.bonus, running.features)[:max_depth]
+    def _drafts(self) -> list[DraftLogits | None]:
+        """Every running request's draft logits for this round, from one drafter pass (``None``
+        for a request that does not draft now: its policy does not, or one token is left)."""
+        wanted = {}
+        for running in self._running:
+            request = running.request
+            max_depth = request.max_new_tokens - len(request.output) - 1
+            if request.policy.needs_drafter and max_depth > 0:
+                wanted[running.slot] = max_depth
+        if not wanted or self._skipping():
+            return [None] * len(self._running)
+        calls = [DraftCall(r.slot, r.bonus, r.features) for r in self._running if r.slot in wanted]
+        began = time.perf_counter()
+        drafted = dict(zip(wanted, self.proposer.propose(calls)))
+        for running in self._running:
+            if running.slot in wanted:  # the drafter has these features now
+                running.features = running.features[:0]
+        times = self._draft_times.setdefault(len(calls), deque(maxlen=_DRAFT_TIMES))
+        times.append(time.perf_counter() - began)
+        return [
+            drafted[r.slot][: wanted[r.slot]] if r.slot in wanted else None for r in self._running
+        ]
 
-    def _mapped(self, running: _Running, tree: DraftTree) -> DraftTree:
-        token_map = getattr(running.proposer, "token_map", None)
+    def _skipping(self) -> bool:
+        """Whether this round skips drafting (:meth:`_judge_drafting`): only joint rounds of the
+        batch size that was judged, for the rounds left."""
+        batch, left = self._skip
+        if left <= 0 or batch != len(self._running) or self.joint_cost_model is None:
+            return False
+        self._skip = (batch, left - 1)
+        return all(r.request.policy.name == "caddtree" for r in self._running)
+
+    def _mapped(self, tree: DraftTree) -> DraftTree:
+        token_map = self.proposer.token_map if self.proposer is not None else None
         return tree.map_tokens(token_map) if token_map is not None and len(tree) else tree
 
-    def _tree(self, running: _Running) -> DraftTree:
-        draft = self._draft(running)
+    def _tree(self, running: _Running, draft: DraftLogits | None) -> DraftTree:
         if draft is None:
             return DraftTree.empty()
-        return self._mapped(running, running.request.policy.build(draft, running.length))
+        return self._mapped(running.request.policy.build(draft, running.length))
 
-    def _joint_trees(self) -> list[DraftTree] | None:
+    def _joint_trees(self, drafts: list[DraftLogits | None]) -> list[DraftTree] | None:
         """Every request's tree from one joint budget (:func:`~caddtree.tree.
         build_joint_caddtrees`), when the decoder has a ``joint_cost_model`` and every running
         request is a CaDDTree one; ``None`` otherwise.
 
         Until the batch cost model (C_v over total rows and sequences) is measured, a batch of
-        ``B`` requests with ``n`` nodes in all is priced as one sequence's round with ``B - 1 + n``
-        nodes (the other requests' bonus rows counted as nodes) at the mean context, plus
-        ``B - 1`` more drafter passes."""
+        ``B`` requests with ``n`` nodes in all is priced as one sequence's verification with
+        ``B - 1 + n`` nodes (the other requests' bonus rows counted as nodes) at the mean context,
+        plus the drafter pass of ``B`` sequences as this decoder has timed it (the median of its
+        last passes of that size; before three of them, ``B`` single-sequence passes)."""
         model, running = self.joint_cost_model, self._running
         if model is None or any(r.request.policy.name != "caddtree" for r in running):
             return None
-        drafts = [self._draft(r) for r in running]
         batch = len(running)
         context = int(np.mean([r.length for r in running]))
         table = model.round_cost_table(context, batch - 1 + self.joint_max_nodes)
-        costs = (batch - 1) * model.draft_cost + table[batch - 1 :]
+        drafting = sum(d is not None for d in drafts)
+        costs = table[batch - 1 :] - model.draft_cost + self._draft_cost(drafting, model)
         present = [d for d in drafts if d is not None]
-        built = iter(build_joint_caddtrees(present, costs, self.joint_max_nodes))
-        return [
-            self._mapped(r, next(built)) if d is not None else DraftTree.empty()
-            for r, d in zip(running, drafts)
-        ]
+        chosen = build_joint_caddtrees(present, costs, self.joint_max_nodes)
+        if present:  # a round that drafted: did it pay?
+            self._judge_drafting(chosen, costs, table[batch - 1] - model.draft_cost)
+        built = iter(chosen)
+        return [self._mapped(next(built)) if d is not None else DraftTree.empty() for d in drafts]
+
+    def _judge_drafting(self, trees: list[DraftTree], costs: np.ndarray, plain_cost: float) -> None:
+        """After a joint round that drafted: if its surrogate, drafting included, is below batched plain
+        decoding's without a drafter pass (``len(requests) / plain_cost``), the next
+        :data:`_SKIP_ROUNDS` rounds of this batch decode plainly without drafting; then the
+        drafter is tried again. Where drafting cannot pay (large batches on a few cores), the
+        batch runs at batched AR's speed instead of paying for drafts it verifies none of."""
+        batch = len(self._running)
+        nodes = sum(len(t) for t in trees)
+        drafted = (batch + sum(t.phi for t in trees)) / costs[nodes]
+        if drafted < batch / plain_cost:
+            self._skip = (batch, _SKIP_ROUNDS)
+
+    def _draft_cost(self, sequences: int, model: CostModel) -> float:
+        """Seconds of a drafter pass of ``sequences`` sequences: the median of the last timed
+        ones, or ``sequences`` one-sequence passes of ``model`` before there are three."""
+        timed = self._draft_times.get(sequences, ())
+        if len(timed) >= 3:
+            return float(np.median(timed))
+        return sequences * model.draft_cost
 
     def _walk(
         self, running: _Running, tree: DraftTree, logits: torch.Tensor, features: torch.Tensor
@@ -269,7 +325,11 @@ class BatchDecoder:
         if request.stop_reason is None:
             self.target.compact(running.slot, running.length, path)
             running.length += len(path)
-            running.features = features[torch.tensor(path, device=features.device)][None]
+            accepted = features[torch.tensor(path, device=features.device)]
+            # the drafter has not seen them yet: kept (with any of rounds it skipped) until it has
+            if request.policy.needs_drafter:
+                accepted = torch.cat([running.features, accepted])
+            running.features = accepted
             running.bonus = next_bonus
 
     def _commit_tokens(self, running: _Running, tokens: list[int]) -> None:

@@ -78,6 +78,7 @@ def build_app(
     temperature: float = 1.0,
     max_queue: int = 8,
     max_batch: int = 1,
+    batch_budget: str = "joint",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     retry_after_s: int = 1,
     cost_model_dir: str | os.PathLike[str] | None = None,
@@ -95,7 +96,9 @@ def build_app(
     name inside ``cost_model_dir`` (requests may read no other file on the server; without a
     directory they may name none).
     ``max_batch`` requests generate at once (above 1: :class:`~caddtree.serve.batch_engine.
-    BatchEngine`, one target forward per round for all of them; it needs the lean runtime);
+    BatchEngine`, one target forward per round for all of them; it needs the lean runtime), their
+    CaDDTree trees sized by one joint budget from ``generator.cost_model`` (``batch_budget``
+    ``"joint"``) or each by its own (``"per-request"``);
     ``max_queue`` more may wait for a slot; one more gets HTTP 503 with
     ``Retry-After: retry_after_s``. ``torch_thread``: the one-thread executor that loaded the
     models, to generate on (see :class:`~caddtree.serve.engine.Engine`). A body larger than ``max_request_bytes`` gets HTTP 413 before
@@ -115,6 +118,7 @@ def build_app(
             generator,
             metrics,
             max_batch=max_batch,
+            joint_budget=batch_budget == "joint",
             max_queue=max_queue,
             on_round=on_round,
             torch_thread=torch_thread,

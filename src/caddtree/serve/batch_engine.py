@@ -5,7 +5,7 @@ queue bound, cancellation and metrics) but keeps up to ``max_batch`` jobs genera
 job joins the batch as soon as a slot is free (its prompt is prefilled alone, then it decodes in
 every round with the others), and leaves it when it finishes or is cancelled. Each round is one
 target forward for every job in the batch, so the running jobs share the round's cost instead of
-waiting for each other. It needs the lean runtime (the generator's ``runtime == "lean"``), whose
+waiting for each other. It needs the lean runtime (the generator's ``runtime``, ``"lean"`` or ``"compiled"``), whose
 KV cache has a slot per job.
 """
 
@@ -41,7 +41,10 @@ class _Active:
 
 class BatchEngine(Engine):
     """Runs up to ``max_batch`` :class:`Job` s at once (see the module docstring); ``max_queue``
-    more may wait for a slot, one more is refused (:class:`~caddtree.serve.engine.QueueFull`)."""
+    more may wait for a slot, one more is refused (:class:`~caddtree.serve.engine.QueueFull`).
+    ``joint_budget``: rounds whose requests are all CaDDTree ones size their trees with one joint
+    budget from the generator's cost model (``joint_cost_model`` of
+    :class:`~caddtree.batching.BatchDecoder`)."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class BatchEngine(Engine):
         metrics: ServerMetrics,
         *,
         max_batch: int,
+        joint_budget: bool = True,
         max_queue: int = 8,
         on_round: Any = None,
         torch_thread: Any = None,
@@ -68,6 +72,7 @@ class BatchEngine(Engine):
             generator.drafter,
             max_batch=self.max_batch,
             capacity=int(verifier.max_positions or 8192),
+            joint_cost_model=generator.cost_model if joint_budget else None,
         )
         self._active: list[_Active] = []
 

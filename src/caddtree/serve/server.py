@@ -58,6 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "runtime; default 1: one at a time)",
     )
     parser.add_argument(
+        "--batch-budget",
+        choices=("joint", "per-request"),
+        default="joint",
+        help="with --max-batch above 1, how CaDDTree requests decoding together size their "
+        "trees: 'joint' (the default) chooses all of a round's trees with one budget from the "
+        "server's cost model, and skips drafting while it cannot pay; 'per-request' lets each "
+        "request choose as if it were alone",
+    )
+    parser.add_argument(
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -186,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             max_queue=args.max_queue,
             max_batch=args.max_batch,
+            batch_budget=args.batch_budget,
             max_request_bytes=args.max_request_bytes,
             retry_after_s=args.retry_after,
             cost_model_dir=args.cost_model_dir,
