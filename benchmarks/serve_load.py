@@ -1,10 +1,10 @@
 """The server under load: streamed chat requests from the ``openai`` client at several concurrencies.
 
     python benchmarks/serve_load.py [--max-batch 1 8] [--concurrency 1 8] [--methods ar caddtree]
-                                    [--requests 16] [--max-tokens 64]
+                                    [--requests 16] [--max-tokens 64] [--runtime auto]
 
-For each ``--max-batch`` it starts ``caddtree serve`` on the built-in pair (bfloat16, lean
-runtime) on a free localhost port, as a process of its own (so the clients' threads here do not
+For each ``--max-batch`` it starts ``caddtree serve`` on the built-in pair (bfloat16, on
+``--runtime``, default ``auto``) on a free localhost port, as a process of its own (so the clients' threads here do not
 share its interpreter), and for each method and concurrency C sends
 ``--requests`` streamed chat requests (temperature 0, ``max_tokens`` each, EOS ignored so every
 request makes the same number of tokens), C at a time, with the real ``openai`` client. It prints
@@ -107,9 +107,10 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ar", "caddtree"])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runtime", default="auto", help="the server's --runtime")
     args = parser.parse_args()
     print(
-        f"built-in pair, bfloat16, lean runtime; {args.requests} streamed requests x "
+        f"built-in pair, bfloat16, runtime {args.runtime}; {args.requests} streamed requests x "
         f"{args.max_tokens} tokens per level, temperature 0"
     )
     print(
@@ -125,6 +126,8 @@ def main() -> None:
                 "64",
                 "--max-new-tokens",
                 str(args.max_tokens),
+                "--runtime",
+                args.runtime,
             ]
         )
         try:

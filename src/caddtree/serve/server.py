@@ -185,7 +185,8 @@ def serve(args: argparse.Namespace) -> int:
     torch_thread = ThreadPoolExecutor(1, thread_name_prefix="caddtree-generate")
     try:
         gen, name = torch_thread.submit(load_generator, args).result()
-        app = build_app(
+        app = torch_thread.submit(
+            build_app,
             gen,
             model_name=name,
             method=args.method,
@@ -200,7 +201,7 @@ def serve(args: argparse.Namespace) -> int:
             retry_after_s=args.retry_after,
             cost_model_dir=args.cost_model_dir,
             torch_thread=torch_thread,
-        )
+        ).result()  # on the generating thread too: the batch engine allocates its cache there
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"
         )
