@@ -4,8 +4,8 @@
 
 Two graphs: module-level imports only (what importing a module runs), and every import including
 the ones inside functions and under ``TYPE_CHECKING`` (lazy imports). Exits 1 when either graph has
-a cycle: a lazy import only postpones a cycle to the call, and the layers of DESIGN.md ("each
-imports only from layers above it") allow none. tests/test_layout.py runs the same check.
+a cycle: a lazy import only postpones a cycle to the call, and the layers of docs/design.md ("Each
+layer imports only from the layers above it") allow none. tests/test_layout.py runs the same check.
 """
 
 from __future__ import annotations

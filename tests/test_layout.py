@@ -1,5 +1,5 @@
 """The shape of the package (issue 11): no import cycles, not even through imports inside
-functions, and no module so long that a reader cannot hold it (DESIGN.md, "Layers")."""
+functions, and no module so long that a reader cannot hold it (docs/design.md, "Layers")."""
 
 from __future__ import annotations
 

@@ -636,7 +636,7 @@ def _greedy_walk(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]
 
 
 def test_rounds_keep_the_drafter_in_step_with_the_target(qwen3, saved):
-    """Four rounds of the DESIGN.md loop; the draft is nudged towards the target's greedy text
+    """Four rounds of the round loop (docs/design.md); the draft is nudged towards the target's greedy text
     for two positions so that rounds accept nodes (a random drafter alone would accept none)."""
     _, drafter, _ = saved
     prompt = prompt_ids(7)

@@ -66,7 +66,7 @@ MAX_RESERVED = 32768
 
 @runtime_checkable
 class Proposer(Protocol):
-    """What the round loop needs from a drafter (the proposer of DESIGN.md's round loop).
+    """What the round loop needs from a drafter (the proposer of docs/design.md's round).
 
     ``propose(bonus, new_context_features)`` returns the draft logits of the block after
     ``bonus``, ``[B-1, V]`` (a tensor, or :class:`~caddtree.tree.DraftRows` computed on demand);

@@ -36,8 +36,8 @@ def tree_demo(args: argparse.Namespace) -> int:
         )
     rng = np.random.default_rng(args.seed)
     L = B - 1
-    # A synthetic verification cost: flat up to 16 nodes, then 0.5 ms per node (a gentler slope than
-    # DESIGN.md reports for SmolLM2-135M on a 2-core CPU), growing with context length.
+    # A synthetic verification cost: flat up to 16 nodes, then 0.5 ms per node, growing with
+    # context length (an illustration, not a measurement).
     n = np.arange(0, 1025, 8)
     measurements = {
         length: (

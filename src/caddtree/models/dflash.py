@@ -1,6 +1,6 @@
 """The DFlash block-diffusion drafter, loadable from released DFlash checkpoints as they are.
 
-Architecture (paper, Section 2.2; DESIGN.md "Facts you will need"). A DFlash drafter is a stack of
+Architecture (paper, Section 2.2). A DFlash drafter is a stack of
 Qwen3-style decoder layers with no embedding and no output head of its own: it embeds its block with
 the *target's* ``embed_tokens`` and reads its logits through the *target's* ``lm_head``. It is
 conditioned on **context features**: the target's hidden states after the layers

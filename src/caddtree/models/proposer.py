@@ -1,6 +1,6 @@
 """The proposer side of the DFlash drafter: one drafter pass per decoding round, and its logits.
 
-:class:`DFlashProposer` is the proposer of DESIGN.md's round loop (the
+:class:`DFlashProposer` is the proposer of docs/design.md's round (the
 :class:`~caddtree.decoding.Proposer` protocol): it keeps the drafter's KV cache of context features
 and returns the draft logits of the block after the bonus token. :class:`DraftLogits` holds them
 lazily: a position is projected through the output head (the target's lm_head, or the rows of a
@@ -113,7 +113,7 @@ class DraftLogits:
 
 
 class DFlashProposer:
-    """Runs the drafter once per decoding round (the proposer of DESIGN.md's round loop).
+    """Runs the drafter once per decoding round (the proposer of docs/design.md's round).
 
     Protocol, for a target whose KV cache holds the ``start`` committed tokens ``x_0 .. x_{start-1}``
     and a bonus token ``b`` (the target's choice after them, not yet in any cache):
