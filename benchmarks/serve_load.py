@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py [--max-batch 1 8] [--concurrency 1 8] [--methods ar caddtree]
                                     [--requests 16] [--max-tokens 64] [--runtime auto]
+                                    [--dtype bfloat16]
 
 For each ``--max-batch`` it starts ``caddtree serve`` on the built-in pair (bfloat16, on
 ``--runtime``, default ``auto``) on a free localhost port, as a process of its own (so the clients' threads here do not
@@ -10,7 +11,9 @@ share its interpreter), and for each method and concurrency C sends
 request makes the same number of tokens), C at a time, with the real ``openai`` client. It prints
 the aggregate output tokens per second (all tokens over the wall time of the level), the time to
 first token (median and 95th percentile) and the median inter-token latency of the streamed
-chunks. An untimed warm-up request of each method comes first.
+chunks. An untimed warm-up request of each method comes first. It also says, per method, how
+many requests' texts at each concurrency equal the same prompt's text at the first concurrency
+(a request's output must not depend on the others: in float32, ``--dtype float32``, all of them).
 """
 
 from __future__ import annotations
@@ -74,14 +77,15 @@ def one_request(served: Served, prompt: str, method: str, max_tokens: int) -> di
         stream_options={"include_usage": True},
         extra_body={"method": method, "ignore_eos": True},
     )
-    arrivals, tokens = [], 0
+    arrivals, tokens, text = [], 0, []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"tokens": tokens, "ttft": arrivals[0] - start, "gaps": gaps}
+    return {"tokens": tokens, "ttft": arrivals[0] - start, "gaps": gaps, "text": "".join(text)}
 
 
 def level(served: Served, method: str, concurrency: int, args: argparse.Namespace) -> dict:
@@ -97,6 +101,7 @@ def level(served: Served, method: str, concurrency: int, args: argparse.Namespac
         "ttft_p50": statistics.median(ttfts),
         "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
         "itl_p50": statistics.median(gaps) if gaps else float("nan"),
+        "texts": [r["text"] for r in runs],
     }
 
 
@@ -108,14 +113,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runtime", default="auto", help="the server's --runtime")
+    parser.add_argument("--dtype", default="bfloat16", help="the server's --dtype")
     args = parser.parse_args()
     print(
-        f"built-in pair, bfloat16, runtime {args.runtime}; {args.requests} streamed requests x "
+        f"built-in pair, {args.dtype}, runtime {args.runtime}; {args.requests} streamed requests x "
         f"{args.max_tokens} tokens per level, temperature 0"
     )
     print(
         f"{'max-batch':>9} {'method':>9} {'conc.':>5} {'tok/s':>7} {'TTFT p50':>9} "
-        f"{'TTFT p95':>9} {'ITL p50':>8}"
+        f"{'TTFT p95':>9} {'ITL p50':>8} same text as at the first concurrency"
     )
     for batch in args.max_batch:
         served = Served(
@@ -128,17 +134,23 @@ def main() -> None:
                 str(args.max_tokens),
                 "--runtime",
                 args.runtime,
+                "--dtype",
+                args.dtype,
             ]
         )
         try:
             for method in args.methods:
                 one_request(served, PROMPTS[0], method, 8)  # warm-up
             for method in args.methods:
+                first = None
                 for concurrency in args.concurrency:
                     r = level(served, method, concurrency, args)
+                    first = first or r["texts"]
+                    same = sum(a == b for a, b in zip(first, r["texts"]))
                     print(
                         f"{batch:>9} {method:>9} {concurrency:>5} {r['tok_s']:>7.1f} "
                         f"{r['ttft_p50']:>8.2f}s {r['ttft_p95']:>8.2f}s {1e3 * r['itl_p50']:>6.1f}ms"
+                        f" {same:>3}/{len(first)}"
                     )
         finally:
             served.stop()

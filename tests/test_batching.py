@@ -219,3 +219,38 @@ def test_a_failed_prefill_gives_its_slot_back(qwen3, drafter, monkeypatch):
     assert batch.has_room()
     (done,) = batch.run([GenerationRequest([1, 2], make_policy("ar"), 4)])
     assert done.output == hf_generate(qwen3, [1, 2], 4)
+
+
+def test_sampled_tokens_in_a_batch_are_distributed_as_the_processed_target():
+    """2,000 sampled requests of three tokens, four at a time with requests joining as others
+    leave, through DDTree trees drafted in one pass for the batch: each token's marginal against
+    the exact one under transformers' processors with the right context, chi-square at
+    alpha = 1e-3 (the check of tests/test_sampling.py, which also rejects two wrong
+    distributions). Each request samples with its own seeded generator."""
+    import numpy as np
+
+    from sampling_checks import (
+        MARGINAL_PROMPT,
+        MARGINAL_SETTINGS,
+        assert_three_token_marginals,
+        marginal_target,
+    )
+    from tiny_models import new_drafter
+
+    vocab = 16
+    model = marginal_target(vocab)
+    drafter = new_drafter(model, mask_token_id=vocab - 1, target_layer_ids=[0])
+    batch = BatchDecoder(LeanTarget(model, [0]), drafter, max_batch=4, capacity=32)
+    policy = make_policy("ddtree", budget=vocab)
+    todo = [
+        GenerationRequest(MARGINAL_PROMPT, policy, 3, sampler=Sampler(**MARGINAL_SETTINGS, seed=i))
+        for i in range(2000)
+    ]
+    counts = np.zeros((3, vocab))
+    done = batch.run(todo)
+    for request in done:
+        for k, token in enumerate(request.output):
+            counts[k, token] += 1
+    assert len(done) == 2000 and counts.sum() == 3 * 2000
+    assert sum(r.accepted for r in done) > 500  # tree rows, not only bonus rows, were sampled
+    assert_three_token_marginals(model, MARGINAL_PROMPT, counts, Sampler(**MARGINAL_SETTINGS))

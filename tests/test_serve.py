@@ -291,7 +291,12 @@ def test_models_health_and_metrics(served):
         assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
 
     before = metrics(served)
-    assert 'caddtree:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in before
+    for method in ("ar", "dflash", "ddtree", "caddtree"):  # every method shown from the start
+        assert f'caddtree:num_rounds_total{{method="{method}"}}' in before
+    assert (
+        'caddtree:spec_decode_num_accepted_tokens_per_pos_total{method="ddtree",position="0"}'
+        in before
+    )
     resp = c.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "metrics please"}],
@@ -309,15 +314,20 @@ def test_models_health_and_metrics(served):
     assert moved('caddtree:request_success_total{finished_reason="length"}') == 1
     assert moved("caddtree:prompt_tokens_total") == resp.usage.prompt_tokens
     assert moved("caddtree:generation_tokens_total") == 12
-    assert moved("caddtree:num_rounds_total") == stats["rounds"]
-    drafts = moved("caddtree:spec_decode_num_drafts_total")
+    ddtree = '{method="ddtree"}'
+    assert moved("caddtree:num_rounds_total" + ddtree) == stats["rounds"]
+    assert moved('caddtree:num_rounds_total{method="caddtree"}') == 0  # another method's
+    drafts = moved("caddtree:spec_decode_num_drafts_total" + ddtree)
     assert 1 <= drafts <= stats["rounds"]
-    assert moved("caddtree:spec_decode_num_draft_tokens_total") <= 8 * drafts
-    accepted = moved("caddtree:spec_decode_num_accepted_tokens_total")
+    assert moved("caddtree:spec_decode_num_draft_tokens_total" + ddtree) <= 8 * drafts
+    accepted = moved("caddtree:spec_decode_num_accepted_tokens_total" + ddtree)
     # every round commits its accepted tokens plus one (the last round may be cut by max_tokens)
     assert accepted >= 12 - 1 - stats["rounds"]
     per_pos = [
-        moved(f'caddtree:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}')
+        moved(
+            "caddtree:spec_decode_num_accepted_tokens_per_pos_total"
+            f'{{method="ddtree",position="{p}"}}'
+        )
         for p in range(5)  # the tiny drafter's block is 6: positions 0..4
     ]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
@@ -329,9 +339,14 @@ def test_models_health_and_metrics(served):
     assert after["caddtree:e2e_request_latency_seconds_count"] >= 1
     assert after["caddtree:num_requests_running"] == 0
     assert after["caddtree:num_requests_waiting"] == 0
-    assert after["caddtree:mean_acceptance_length"] >= 1
-    assert 0 <= after["caddtree:draft_acceptance_rate"] <= 1
-    assert after["caddtree:mean_tree_budget"] > 0
+    assert after["caddtree:mean_acceptance_length" + ddtree] >= 1
+    assert 0 <= after["caddtree:draft_acceptance_rate" + ddtree] <= 1
+    assert after["caddtree:mean_tree_budget" + ddtree] > 0
+    # one inter-token gap per round after the first output; one time per output token per request
+    assert moved("caddtree:inter_token_latency_seconds_count") == stats["rounds"]
+    assert moved("caddtree:request_time_per_output_token_seconds_count") == 1
+    tpot = moved("caddtree:request_time_per_output_token_seconds_sum")
+    assert 0 < tpot < moved("caddtree:e2e_request_latency_seconds_sum")
     assert after["caddtree:decode_tokens_per_second"] > 0
     with urllib.request.urlopen(served.base + "/metrics", timeout=10) as resp:
         text = resp.read().decode()

@@ -169,7 +169,7 @@ class BatchEngine(Engine):
         new = request.output[active.sent :]
         active.sent = len(request.output)
         job.tokens += len(new)
-        self.metrics.tokens_generated(len(new))
+        self.metrics.tokens_generated(len(new), job.output_gap() if new else None)
         if active.text is not None and new:
             piece = active.text.push(new)
             if piece:

@@ -77,6 +77,16 @@ class Job:
     started: float | None = None  # when the worker took it
     ttft_s: float | None = None  # arrival to first token
     tokens: int = 0  # tokens generated so far
+    last_output: float | None = None  # when its newest tokens were generated
+
+    def output_gap(self) -> float | None:
+        """Seconds since this job's previous tokens (``None`` for its first), and now is the
+        time of its newest ones."""
+        now = time.perf_counter()
+        gap = None if self.last_output is None else now - self.last_output
+        self.last_output = now
+        return gap
+
     finished: bool = False  # a terminal event was sent
 
     def cancel(self) -> None:
@@ -257,7 +267,7 @@ class Engine:
             if job.cancelled.is_set():
                 raise _Cancelled
             job.tokens += len(new_tokens)
-            self.metrics.tokens_generated(len(new_tokens))
+            self.metrics.tokens_generated(len(new_tokens), job.output_gap())
             if round_stats is None:  # the prefill
                 now = time.perf_counter()
                 job.ttft_s = now - job.arrival

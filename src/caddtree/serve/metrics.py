@@ -10,6 +10,13 @@ carries the ``model_name`` label, as vLLM's do. Speculative-decoding terms:
 * its *draft tokens* are the tree's nodes (the chain's length for dflash), its *accepted tokens*
   the nodes on the accepted path, at depths 1..k, counted per *position* 0..k-1 as vLLM does.
 
+The round and draft counters, and the acceptance gauges made of them, carry a ``method`` label
+(``ar``, ``dflash``, ``ddtree``, ``caddtree``), every method shown from the start at 0.
+*Inter-token latency* is the time between two successive outputs of one request (one sample per
+round that gave it tokens: a tree round that commits three tokens is one gap, as in vLLM);
+*time per output token* is, per completed request, its decoding time after the first token over
+its tokens after the first.
+
 Plain Python, no web framework: the worker thread reports into a :class:`ServerMetrics` and the
 ``/metrics`` endpoint calls :meth:`ServerMetrics.render`.
 """
@@ -20,6 +27,8 @@ import math
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from ..checks import METHODS
 
 __all__ = ["PREFIX", "FINISH_REASONS", "Histogram", "ServerMetrics"]
 
@@ -98,16 +107,15 @@ class ServerMetrics:
         self.rejected = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.rounds = 0
-        self.drafts = 0
-        self.draft_tokens = 0
-        self.accepted_tokens = 0
-        self.accepted_per_pos = [0] * max(int(positions), 0)
+        self.positions = max(int(positions), 0)
+        self.methods = {method: _MethodCounts(self.positions) for method in METHODS}
         self.decode_tokens = 0
         self.decode_s = 0.0
         self.ttft = Histogram()
         self.e2e = Histogram()
         self.queue_time = Histogram()
+        self.itl = Histogram()
+        self.tpot = Histogram()
 
     # ---- what the worker and the endpoints report ---------------------------------------------
 
@@ -128,28 +136,25 @@ class ServerMetrics:
             self.queue_time.observe(queue_s)
             self.ttft.observe(ttft_s)
 
-    def tokens_generated(self, count: int) -> None:
+    def tokens_generated(self, count: int, gap_s: float | None = None) -> None:
+        """``count`` tokens reached a request, ``gap_s`` after its previous ones (``None``: its
+        first, which the time to first token measures)."""
         with self._lock:
             self.generation_tokens += int(count)
+            if gap_s is not None and count:
+                self.itl.observe(gap_s)
 
     def round_done(self, method: str, stats: Any) -> None:
         """One verification round (a :class:`~caddtree.decoding.RoundStats`) of ``method``."""
         with self._lock:
-            self.rounds += 1
+            counts = self.methods.setdefault(method, _MethodCounts(self.positions))
+            counts.rounds += 1
             confidence = getattr(stats, "confidence", math.nan)
             drafted = method != "ar" and (
                 stats.budget > 0 or not (isinstance(confidence, float) and math.isnan(confidence))
             )
-            if not drafted:
-                return
-            accepted = int(stats.accepted)
-            self.drafts += 1
-            self.draft_tokens += int(stats.budget)
-            self.accepted_tokens += accepted
-            if accepted > len(self.accepted_per_pos):
-                self.accepted_per_pos.extend([0] * (accepted - len(self.accepted_per_pos)))
-            for pos in range(accepted):
-                self.accepted_per_pos[pos] += 1
+            if drafted:
+                counts.add_draft(int(stats.budget), int(stats.accepted))
 
     def request_finished(
         self,
@@ -167,8 +172,72 @@ class ServerMetrics:
             if finish_reason != "abort" and new_tokens > 1 and wall_s > prefill_s:
                 self.decode_tokens += int(new_tokens) - 1
                 self.decode_s += float(wall_s) - float(prefill_s)
+                self.tpot.observe((float(wall_s) - float(prefill_s)) / (int(new_tokens) - 1))
 
     # ---- the exposition -----------------------------------------------------------------------
+
+    def _render_methods(self, family: Any, sample: Any, ratio: Any) -> None:
+        """The round and draft counters and the acceptance gauges, one sample per method."""
+        counters = (
+            (
+                "num_rounds_total",
+                "rounds",
+                "Verification rounds (target forward passes after the prefill).",
+            ),
+            (
+                "spec_decode_num_drafts_total",
+                "drafts",
+                "Rounds in which the drafter proposed a draft (dflash, ddtree, caddtree).",
+            ),
+            (
+                "spec_decode_num_draft_tokens_total",
+                "draft_tokens",
+                "Draft tokens verified: the nodes of every draft tree (the chain for dflash).",
+            ),
+            (
+                "spec_decode_num_accepted_tokens_total",
+                "accepted_tokens",
+                "Draft tokens accepted by the target (the accepted path; bonus tokens excluded).",
+            ),
+        )
+        for metric, field, help_text in counters:
+            family(metric, "counter", help_text)
+            for method, counts in self.methods.items():
+                sample(getattr(counts, field), f'method="{_escape_label(method)}"')
+        family(
+            "spec_decode_num_accepted_tokens_per_pos_total",
+            "counter",
+            "Drafts whose accepted path reached draft position `position` (0 = the first drafted "
+            "token, at tree depth 1); divide by spec_decode_num_drafts_total for the per-position "
+            "acceptance rate.",
+        )
+        for method, counts in self.methods.items():
+            for pos, count in enumerate(counts.accepted_per_pos):
+                sample(count, f'method="{_escape_label(method)}",position="{pos}"')
+        gauges = (
+            (
+                "mean_acceptance_length",
+                "Tokens committed per draft, bonus token included: 1 + "
+                "accepted / drafts, since start (NaN before the first draft).",
+                lambda c: 1 + ratio(c.accepted_tokens, c.drafts) if c.drafts else math.nan,
+            ),
+            (
+                "draft_acceptance_rate",
+                "Accepted draft tokens / draft tokens, since start: the "
+                "share of tree nodes the target accepted (NaN before the first draft).",
+                lambda c: ratio(c.accepted_tokens, c.draft_tokens),
+            ),
+            (
+                "mean_tree_budget",
+                "Mean draft-tree size (nodes verified per draft), since start "
+                "(NaN before the first draft).",
+                lambda c: ratio(c.draft_tokens, c.drafts),
+            ),
+        )
+        for metric, help_text, value in gauges:
+            family(metric, "gauge", help_text)
+            for method, counts in self.methods.items():
+                sample(value(counts), f'method="{_escape_label(method)}"')
 
     def render(self, *, running: int, waiting: int) -> str:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
@@ -190,7 +259,11 @@ class ServerMetrics:
             return num / den if den else math.nan
 
         with self._lock:
-            family("num_requests_running", "gauge", "Requests being generated now (0 or 1).")
+            family(
+                "num_requests_running",
+                "gauge",
+                "Requests being generated now: the running batch (at most --max-batch).",
+            )
             sample(running)
             family(
                 "num_requests_waiting",
@@ -228,60 +301,7 @@ class ServerMetrics:
                 "Tokens generated, those of cancelled requests included.",
             )
             sample(self.generation_tokens)
-            family(
-                "num_rounds_total",
-                "counter",
-                "Verification rounds (target forward passes after the prefill), all methods.",
-            )
-            sample(self.rounds)
-            family(
-                "spec_decode_num_drafts_total",
-                "counter",
-                "Rounds in which the drafter proposed a draft (dflash, ddtree, caddtree).",
-            )
-            sample(self.drafts)
-            family(
-                "spec_decode_num_draft_tokens_total",
-                "counter",
-                "Draft tokens verified: the nodes of every draft tree (the chain for dflash).",
-            )
-            sample(self.draft_tokens)
-            family(
-                "spec_decode_num_accepted_tokens_total",
-                "counter",
-                "Draft tokens accepted by the target (the accepted path; bonus tokens excluded).",
-            )
-            sample(self.accepted_tokens)
-            family(
-                "spec_decode_num_accepted_tokens_per_pos_total",
-                "counter",
-                "Drafts whose accepted path reached draft position `position` (0 = the first "
-                "drafted token, at tree depth 1); divide by spec_decode_num_drafts_total for the "
-                "per-position acceptance rate.",
-            )
-            for pos, count in enumerate(self.accepted_per_pos):
-                sample(count, f'position="{pos}"')
-            family(
-                "mean_acceptance_length",
-                "gauge",
-                "Tokens committed per draft, bonus token included: 1 + accepted / drafts, since "
-                "start (NaN before the first draft).",
-            )
-            sample(1 + ratio(self.accepted_tokens, self.drafts) if self.drafts else math.nan)
-            family(
-                "draft_acceptance_rate",
-                "gauge",
-                "Accepted draft tokens / draft tokens, since start: the share of tree nodes the "
-                "target accepted (NaN before the first draft).",
-            )
-            sample(ratio(self.accepted_tokens, self.draft_tokens))
-            family(
-                "mean_tree_budget",
-                "gauge",
-                "Mean draft-tree size (nodes verified per draft), since start (NaN before the first "
-                "draft).",
-            )
-            sample(ratio(self.draft_tokens, self.drafts))
+            self._render_methods(family, sample, ratio)
             family(
                 "decode_tokens_per_second",
                 "gauge",
@@ -305,7 +325,36 @@ class ServerMetrics:
                     self.queue_time,
                     "Time a request waited in the queue before its generation started.",
                 ),
+                (
+                    "inter_token_latency_seconds",
+                    self.itl,
+                    "Time between two successive outputs of a request (one sample per round that "
+                    "gave it tokens).",
+                ),
+                (
+                    "request_time_per_output_token_seconds",
+                    self.tpot,
+                    "Per completed request: decoding time after the first token over its tokens "
+                    "after the first.",
+                ),
             ):
                 family(metric, "histogram", help_text)
                 lines.extend(hist.samples(name, model))
         return "\n".join(lines) + "\n"
+
+
+class _MethodCounts:
+    """The round and draft counters of one method."""
+
+    def __init__(self, positions: int) -> None:
+        self.rounds = self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.accepted_per_pos = [0] * positions
+
+    def add_draft(self, draft_tokens: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+        if accepted > len(self.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (accepted - len(self.accepted_per_pos)))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
