@@ -4,8 +4,8 @@ the speed-up over plain decoding and the lossless check (explaining a difference
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+from typing import Any
 
 from ..checks import (
     DEFAULT_DDTREE_BUDGET,
@@ -53,26 +53,13 @@ def _speed_line(s) -> str:
     return line
 
 
-def _median_run(runs: list):
-    """The run of ``runs`` (results of one timed run repeated) with the median ms/token, the
-    lower of the two middle ones for an even count, so that it is a run that happened."""
-    ms = statistics.median_low(r.stats.ms_per_token for r in runs)
-    return next(r for r in runs if r.stats.ms_per_token == ms)
-
-
-def generate(args: argparse.Namespace) -> int:
-    """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
-    import json
-
+def _checked_settings(args: argparse.Namespace) -> tuple[int, Any, dict | None]:
+    """Check every option that needs no model (a one-line error otherwise); returns the number
+    of timed repeats, the AR dtypes to compare with and the chat-template keyword arguments."""
     import torch
 
-    from ..api import SpeculativeGenerator
-    from ..bench.runner import alternating_order
-    from ..devices import ar_baseline_dtypes, dtype_name
-    from ..divergence import explain_divergence
-    from ..streaming import IncrementalDecoder
+    from ..devices import ar_baseline_dtypes
 
-    # check what needs no model before spending time on loading one
     check_pair_arguments(args)
     if args.budget is not None and args.method != "ddtree":
         raise InvalidInputError("--budget only applies to --method ddtree")
@@ -106,34 +93,48 @@ def generate(args: argparse.Namespace) -> int:
     if ar_dtypes not in ("auto", "same"):
         ar_dtypes = [d.strip() for d in ar_dtypes.split(",") if d.strip()]
     ar_baseline_dtypes(torch.float32, "cpu", ar_dtypes)  # a bad name fails before any loading
-    gen = load_pair_of(args, with_drafter=args.method != "ar" or args.compare_ar)
-    # Plain AR decoding to compare with: in the run's own dtype first (the lossless reference), then
-    # in any dtype plain decoding may be faster in on this device (a float32 copy of the target
-    # for a bfloat16/float16 run on the CPU), so the speed-up is over the fastest AR a user could
-    # pick, not over a slow baseline.
-    ar_gens = []
-    if args.compare_ar and args.method != "ar":
-        run_dtype, device = gen.verifier.dtype, gen.verifier.device
-        for dtype in ar_baseline_dtypes(run_dtype, device, ar_dtypes):
-            if dtype == run_dtype:
-                ar_gens.append(gen)
-            else:
-                ar_gens.append(
-                    SpeculativeGenerator.from_pretrained(
-                        gen.source["target"],
-                        None,
-                        dtype=dtype,
-                        device=device,
-                        context_window=args.context_window,
-                        pack_weights=args.pack_weights,
-                        runtime=args.runtime,
-                    )
-                )
+    return repeats, ar_dtypes, template_kwargs
 
+
+def _ar_generators(gen: Any, args: argparse.Namespace, ar_dtypes: Any) -> list:
+    """Plain decoding to compare with: in the run's own dtype first (the lossless reference),
+    then in any dtype plain decoding may be faster in on this device (a float32 copy of the
+    target for a bfloat16/float16 run on the CPU), so that the speed-up is over the fastest AR a
+    user could pick, not over a slow baseline."""
+    from ..api import SpeculativeGenerator
+    from ..devices import ar_baseline_dtypes
+
+    if not args.compare_ar or args.method == "ar":
+        return []
+    run_dtype, device = gen.verifier.dtype, gen.verifier.device
+    return [
+        gen
+        if dtype == run_dtype
+        else SpeculativeGenerator.from_pretrained(
+            gen.source["target"],
+            None,
+            dtype=dtype,
+            device=device,
+            context_window=args.context_window,
+            pack_weights=args.pack_weights,
+            runtime=args.runtime,
+        )
+        for dtype in ar_baseline_dtypes(run_dtype, device, ar_dtypes)
+    ]
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
+    from ..bench.compare import compare_with_ar
+    from ..streaming import IncrementalDecoder
+
+    repeats, ar_dtypes, template_kwargs = _checked_settings(args)
+    gen = load_pair_of(args, with_drafter=args.method != "ar" or args.compare_ar)
+    ar_gens = _ar_generators(gen, args, ar_dtypes)
     streaming = not args.json and not args.no_stream and gen.tokenizer is not None
     text_stream = IncrementalDecoder(gen.tokenizer) if streaming else None
 
-    def stream(_stats, tokens):
+    def stream(_stats: Any, tokens: list[int]) -> None:
         if text_stream is not None:
             print(text_stream.push(tokens), end="", flush=True)
 
@@ -150,92 +151,95 @@ def generate(args: argparse.Namespace) -> int:
         "chat": False if args.raw else None,
         "chat_template_kwargs": template_kwargs or None,
     }
-    if ar_gens:
-        # Untimed warm-up of every timed run (the method, and AR in each dtype) on the same prompt,
-        # so one-time costs (lazy initialisation, allocator growth, first-call kernel choices)
-        # fall on none of them; the first timed run used to pay for them all.
-        warm = {**common, "max_new_tokens": min(8, args.max_new_tokens)}
-        gen.generate(
-            args.prompt, method=args.method, budget=args.budget, max_budget=args.max_budget, **warm
+
+    def run_method(k: int, overrides: dict) -> Any:  # the first timed run is streamed
+        return gen.generate(
+            args.prompt,
+            method=args.method,
+            budget=args.budget,
+            max_budget=args.max_budget,
+            callback=stream if k == 0 else None,
+            **{**common, **overrides},
         )
-        for ar_gen in ar_gens:
-            ar_gen.generate(args.prompt, method="ar", **warm)
 
-    def timed_run(i: int, k: int):
-        """The ``k``-th timed run of the method (``i == 0``, streamed the first time) or of AR in
-        the dtype of ``ar_gens[i - 1]``."""
-        if i == 0:
-            return gen.generate(
-                args.prompt,
-                method=args.method,
-                budget=args.budget,
-                max_budget=args.max_budget,
-                callback=stream if k == 0 else None,
-                **common,
-            )
-        return ar_gens[i - 1].generate(args.prompt, method="ar", **common)
-
-    # With --compare-ar every run is timed `repeats` times, the order alternating from one repeat
-    # to the next (the method first, then last, ...), and each is reported by its median run.
-    runs: list[list] = [[] for _ in range(1 + len(ar_gens))]
-    for k in range(repeats if ar_gens else 1):
-        for i in alternating_order(range(len(runs)), k):
-            runs[i].append(timed_run(i, k))
-    result = _median_run(runs[0])
-    # the AR runs, in the order of ar_gens (the same-dtype one first), each with its dtype
-    ar_runs = [
-        (ar_gen.verifier.dtype, _median_run(ar_timed))
-        for ar_gen, ar_timed in zip(ar_gens, runs[1:])
-    ]
-    every_ms = [[r.stats.ms_per_token for r in timed] for timed in runs]
-    baseline = ar_runs[0][1] if ar_runs else None  # AR in the run's dtype: the lossless reference
-    divergence = None
-    if baseline is not None and args.temperature == 0:
-        # greedy: the outputs should be identical; if not, say why (after the timed runs)
-        divergence = explain_divergence(
-            gen,
-            result.prompt_ids,
-            baseline.token_ids,
-            result.token_ids,
-            method=result.method,
-            tree_nodes=round(result.stats.budget_mean),
+    def ar_run(ar_gen: Any) -> Any:
+        return lambda overrides: ar_gen.generate(
+            args.prompt, method="ar", **{**common, **overrides}
         )
-    # the speed-up is over the fastest AR run (the same-dtype one on a tie)
-    fastest = min(range(len(ar_runs)), key=lambda i: ar_runs[i][1].stats.ms_per_token, default=0)
 
-    def ar_key(i: int) -> str:
-        return "ar" if i == 0 else f"ar_{dtype_name(ar_runs[i][0])}"
-
+    compared = compare_with_ar(
+        run_method,
+        [(ar_gen.verifier.dtype, ar_run(ar_gen)) for ar_gen in ar_gens],
+        repeats,
+        warm_tokens=min(8, args.max_new_tokens),
+    )
+    divergence = _divergence(gen, compared, args)
     if args.json:
-        out = result.to_dict(per_round=args.per_round)
-        if baseline is not None:
-            out["dtype"] = dtype_name(gen.verifier.dtype)
-            for i, (dtype, run) in enumerate(ar_runs):
-                record = run.to_dict()
-                record["dtype"] = dtype_name(dtype)
-                if i > 0 and args.temperature == 0:  # information only: dtypes round differently
-                    record["same_tokens_as_method"] = run.token_ids == result.token_ids
-                out[ar_key(i)] = record
-            out["baseline"] = ar_key(fastest)
-            out["repeats"] = len(every_ms[0])
-            out["ms_per_token_runs"] = {
-                key: every_ms[i]
-                for i, key in enumerate(["method", *map(ar_key, range(len(ar_runs)))])
-            }
-            out["speedup_over_ar"] = (
-                ar_runs[fastest][1].stats.ms_per_token / result.stats.ms_per_token
-            )
-            out["speedup_over_same_dtype_ar"] = (
-                baseline.stats.ms_per_token / result.stats.ms_per_token
-            )
-            if args.temperature == 0:
-                out["divergence"] = None if divergence is None else divergence.to_dict()
-        print(json.dumps(out))
+        print(_json_output(gen, compared, divergence, args))
         return 0
     if args.no_stream:
-        print(result.text)
+        print(compared.result.text)
     else:
         print(text_stream.flush() if text_stream is not None else "")
+    _print_summary(gen, compared, divergence, args)
+    return 0
+
+
+def _divergence(gen: Any, compared: Any, args: argparse.Namespace) -> Any:
+    """Greedy: the outputs should be identical; if not, why (after the timed runs)."""
+    from ..divergence import explain_divergence
+
+    result, baseline = compared.result, compared.baseline
+    if baseline is None or args.temperature != 0:
+        return None
+    return explain_divergence(
+        gen,
+        result.prompt_ids,
+        baseline.token_ids,
+        result.token_ids,
+        method=result.method,
+        tree_nodes=round(result.stats.budget_mean),
+    )
+
+
+def _ar_key(compared: Any, i: int) -> str:
+    from ..devices import dtype_name
+
+    return "ar" if i == 0 else f"ar_{dtype_name(compared.ar_runs[i][0])}"
+
+
+def _json_output(gen: Any, compared: Any, divergence: Any, args: argparse.Namespace) -> str:
+    import json
+
+    from ..devices import dtype_name
+
+    result, baseline = compared.result, compared.baseline
+    out = result.to_dict(per_round=args.per_round)
+    if baseline is not None:
+        out["dtype"] = dtype_name(gen.verifier.dtype)
+        for i, (dtype, run) in enumerate(compared.ar_runs):
+            record = run.to_dict()
+            record["dtype"] = dtype_name(dtype)
+            if i > 0 and args.temperature == 0:  # information only: dtypes round differently
+                record["same_tokens_as_method"] = run.token_ids == result.token_ids
+            out[_ar_key(compared, i)] = record
+        out["baseline"] = _ar_key(compared, compared.fastest)
+        out["repeats"] = len(compared.every_ms[0])
+        keys = ["method", *(_ar_key(compared, i) for i in range(len(compared.ar_runs)))]
+        out["ms_per_token_runs"] = dict(zip(keys, compared.every_ms))
+        out["speedup_over_ar"] = compared.speedup
+        out["speedup_over_same_dtype_ar"] = baseline.stats.ms_per_token / result.stats.ms_per_token
+        if args.temperature == 0:
+            out["divergence"] = None if divergence is None else divergence.to_dict()
+    return json.dumps(out)
+
+
+def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Namespace) -> None:
+    """Each run's statistics, and with AR the timings, the speed-up and the lossless check, on
+    stderr."""
+    from ..devices import dtype_name
+
+    result, ar_runs, fastest = compared.result, compared.ar_runs, compared.fastest
     rows = [(result, gen.verifier.dtype, "")]
     for i, (dtype, run) in enumerate(ar_runs):
         note = "  <- baseline (fastest AR)" if len(ar_runs) > 1 and i == fastest else ""
@@ -253,59 +257,68 @@ def generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(f"  {_speed_line(s)}", file=sys.stderr)
-    if baseline is not None and len(every_ms[0]) > 1:
+    if compared.baseline is None:
+        return
+    if len(compared.every_ms[0]) > 1:
         names = [f"{result.method} {dtype_name(gen.verifier.dtype)}"]
         names += [f"ar {dtype_name(dtype)}" for dtype, _ in ar_runs]
         print(
-            f"each run timed {len(every_ms[0])} times in alternating order and shown by its median "
-            "(ms/token: "
+            f"each run timed {len(compared.every_ms[0])} times in alternating order and shown by "
+            "its median (ms/token: "
             + "; ".join(
                 f"{name} " + " ".join(f"{ms:.1f}" for ms in timed)
-                for name, timed in zip(names, every_ms)
+                for name, timed in zip(names, compared.every_ms)
             )
             + ")",
             file=sys.stderr,
         )
-    if baseline is not None:
-        same = "identical output" if baseline.token_ids == result.token_ids else "outputs differ"
-        if args.temperature > 0:
-            same = "sampled: outputs may differ"
-        speedup = ar_runs[fastest][1].stats.ms_per_token / result.stats.ms_per_token
-        if len(ar_runs) == 1:
-            print(
-                f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
-                file=sys.stderr,
+    _print_speedup(compared, args)
+    if divergence is not None:
+        print(divergence.describe(), file=sys.stderr)
+
+
+def _print_speedup(compared: Any, args: argparse.Namespace) -> None:
+    from ..devices import dtype_name
+
+    result, ar_runs, fastest = compared.result, compared.ar_runs, compared.fastest
+    same = (
+        "identical output" if compared.baseline.token_ids == result.token_ids else "outputs differ"
+    )
+    if args.temperature > 0:
+        same = "sampled: outputs may differ"
+    speedup = compared.speedup
+    if len(ar_runs) == 1:
+        print(
+            f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
+            file=sys.stderr,
+        )
+        return
+    others = ", ".join(
+        f"{run.stats.ms_per_token / result.stats.ms_per_token:.2f}x against AR in "
+        f"{dtype_name(dtype)}"
+        for i, (dtype, run) in enumerate(ar_runs)
+        if i != fastest
+    )
+    print(
+        f"speed-up of {result.method} over AR, same run: {speedup:.2f}x against AR in "
+        f"{dtype_name(ar_runs[fastest][0])}, the fastest AR ({others})",
+        file=sys.stderr,
+    )
+    info = ""
+    if args.temperature == 0:
+        info = "".join(
+            f"; AR in {dtype_name(dtype)} gives "
+            + (
+                "the same tokens"
+                if run.token_ids == result.token_ids
+                else "other tokens (information only: another dtype rounds differently)"
             )
-        else:
-            others = ", ".join(
-                f"{run.stats.ms_per_token / result.stats.ms_per_token:.2f}x against AR in "
-                f"{dtype_name(dtype)}"
-                for i, (dtype, run) in enumerate(ar_runs)
-                if i != fastest
-            )
-            print(
-                f"speed-up of {result.method} over AR, same run: {speedup:.2f}x against AR in "
-                f"{dtype_name(ar_runs[fastest][0])}, the fastest AR ({others})",
-                file=sys.stderr,
-            )
-            info = ""
-            if args.temperature == 0:
-                info = "".join(
-                    f"; AR in {dtype_name(dtype)} gives "
-                    + (
-                        "the same tokens"
-                        if run.token_ids == result.token_ids
-                        else "other tokens (information only: another dtype rounds differently)"
-                    )
-                    for dtype, run in ar_runs[1:]
-                )
-            print(
-                f"lossless check against AR in {dtype_name(ar_runs[0][0])}: {same}{info}",
-                file=sys.stderr,
-            )
-        if divergence is not None:
-            print(divergence.describe(), file=sys.stderr)
-    return 0
+            for dtype, run in ar_runs[1:]
+        )
+    print(
+        f"lossless check against AR in {dtype_name(ar_runs[0][0])}: {same}{info}",
+        file=sys.stderr,
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,26 +112,26 @@ def build_app(
     proposer = getattr(generator, "proposer", None)
     positions = max(int(getattr(proposer, "block_size", 1)) - 1, 0) if proposer else 0
     metrics = ServerMetrics(model_name, positions)
-    if max_batch > 1:
-        from .batch_engine import BatchEngine
-
-        engine: Engine = BatchEngine(
-            generator,
-            metrics,
-            max_batch=max_batch,
-            joint_budget=batch_budget == "joint",
-            max_queue=max_queue,
-            on_round=on_round,
-            torch_thread=torch_thread,
-        )
-    else:
-        engine = Engine(
-            generator, metrics, max_queue=max_queue, on_round=on_round, torch_thread=torch_thread
-        )
-    context_limit = getattr(getattr(generator, "verifier", None), "max_positions", None)
-    default_budget = DEFAULT_DDTREE_BUDGET if budget is None else int(budget)
-    cost_models: dict[str, tuple[float, Any]] = {}  # path -> (mtime, model)
-    created = int(time.time())
+    engine = _make_engine(
+        generator, metrics, max_batch, batch_budget, max_queue, on_round, torch_thread
+    )
+    defaults = _Defaults(
+        method=method,
+        budget=DEFAULT_DDTREE_BUDGET if budget is None else int(budget),
+        max_budget=max_budget,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+    )
+    service = _Service(
+        generator,
+        engine,
+        metrics,
+        model_name,
+        defaults,
+        max_request_bytes,
+        retry_after_s,
+        cost_model_dir,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -144,19 +145,44 @@ def build_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = model_name
+    _add_error_handlers(app, service)
+    _add_routes(app, service)
+    return app
 
-    # ---- errors ---------------------------------------------------------------------------------
 
-    def error_response(exc: OpenAIError) -> JSONResponse:
-        if exc.status == 503 and exc.code == "queue_full":
-            metrics.request_rejected()
-        else:
-            metrics.request_error("invalid_request" if exc.status < 500 else "server_error")
-        return _json(exc.body(), exc.status, exc.headers)
+def _make_engine(
+    generator: Any,
+    metrics: ServerMetrics,
+    max_batch: int,
+    batch_budget: str,
+    max_queue: int,
+    on_round: Any,
+    torch_thread: Any,
+) -> Engine:
+    """The generation worker: one job at a time, or a batch of ``max_batch``."""
+    if max_batch > 1:
+        from .batch_engine import BatchEngine
+
+        return BatchEngine(
+            generator,
+            metrics,
+            max_batch=max_batch,
+            joint_budget=batch_budget == "joint",
+            max_queue=max_queue,
+            on_round=on_round,
+            torch_thread=torch_thread,
+        )
+    return Engine(
+        generator, metrics, max_queue=max_queue, on_round=on_round, torch_thread=torch_thread
+    )
+
+
+def _add_error_handlers(app: FastAPI, service: _Service) -> None:
+    """OpenAI-style error bodies for every error a request can meet."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+        return service.error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
@@ -166,32 +192,103 @@ def build_app(
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error in a request", exc_info=exc)
-        metrics.request_error("server_error")
+        service.metrics.request_error("server_error")
         return _json(error_body(f"internal server error: {exc}", "server_error"), 500)
 
-    def generate_error(exc: BaseException) -> OpenAIError:
-        """The HTTP error for an exception the worker got from ``generate``."""
-        if isinstance(exc, ShuttingDown):
-            return OpenAIError(str(exc), status=503, code="shutting_down")
-        if isinstance(exc, CaddtreeError):
-            return OpenAIError(str(exc), status=400)
-        return OpenAIError(f"internal server error: {exc}", status=500, code="internal_error")
+
+def _add_routes(app: FastAPI, service: _Service) -> None:
+    created = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.handle(request, "completion")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card: dict[str, Any] = {
+            "id": service.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "caddtree",
+        }
+        if service.context_limit is not None:
+            card["max_model_len"] = service.context_limit
+        return _json({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engine = service.engine
+        if not engine.alive:
+            return _json({"status": "unavailable"}, 503)
+        return _json({"status": "ok", "running": engine.running, "waiting": engine.waiting})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        engine = service.engine
+        text = service.metrics.render(running=engine.running, waiting=engine.waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    """The server's settings for requests that leave a field out."""
+
+    method: str
+    budget: int
+    max_budget: int
+    max_new_tokens: int
+    temperature: float
+
+
+class _Service:
+    """What the endpoints do with a request: check and tokenise it, turn it into a job for the
+    engine, and answer with the job's result or stream."""
+
+    def __init__(
+        self,
+        generator: Any,
+        engine: Engine,
+        metrics: ServerMetrics,
+        model_name: str,
+        defaults: _Defaults,
+        max_request_bytes: int,
+        retry_after_s: int,
+        cost_model_dir: str | os.PathLike[str] | None,
+    ) -> None:
+        self.generator, self.engine, self.metrics = generator, engine, metrics
+        self.model_name, self.defaults = model_name, defaults
+        self.max_request_bytes, self.retry_after_s = max_request_bytes, retry_after_s
+        self.context_limit = getattr(getattr(generator, "verifier", None), "max_positions", None)
+        self.allowed_dir = Path(cost_model_dir).resolve() if cost_model_dir is not None else None
+        self._cost_models: dict[Path, tuple[float, Any]] = {}  # path -> (mtime, model)
+
+    # ---- errors ---------------------------------------------------------------------------------
+
+    def error_response(self, exc: OpenAIError) -> JSONResponse:
+        if exc.status == 503 and exc.code == "queue_full":
+            self.metrics.request_rejected()
+        else:
+            self.metrics.request_error("invalid_request" if exc.status < 500 else "server_error")
+        return _json(exc.body(), exc.status, exc.headers)
 
     # ---- turning a request into a job ---------------------------------------------------------------
 
-    allowed_dir = Path(cost_model_dir).resolve() if cost_model_dir is not None else None
-
-    def cost_model_file(name: str) -> Any:
+    def cost_model_file(self, name: str) -> Any:
         from ..cost import load_cost_model
 
-        if allowed_dir is None:
+        allowed = self.allowed_dir
+        if allowed is None:
             raise OpenAIError(
                 "this server reads no cost-model files named by requests; its operator can allow "
                 "the ones in a folder with --cost-model-dir DIR",
                 param="cost_model",
             )
-        path = (allowed_dir / name).resolve()
-        if not path.is_relative_to(allowed_dir):
+        path = (allowed / name).resolve()
+        if not path.is_relative_to(allowed):
             raise OpenAIError(
                 f"cost_model {name!r} is not a file in the server's cost-model folder; give the "
                 "name of one of its files",
@@ -203,83 +300,91 @@ def build_app(
             raise OpenAIError(
                 f"cost_model {name!r}: {exc.strerror or exc}", param="cost_model"
             ) from None
-        cached = cost_models.get(path)
+        cached = self._cost_models.get(path)
         if cached is None or cached[0] != mtime:
             try:
                 cached = (mtime, load_cost_model(path))
             except CaddtreeError as exc:
                 raise OpenAIError(f"cost_model: {exc}", param="cost_model") from None
-            cost_models[path] = cached
+            self._cost_models[path] = cached
         return cached[1]
 
-    def encode(req: OpenAIRequest) -> list[int]:
+    def encode(self, req: OpenAIRequest) -> list[int]:
         extra = {"chat_template_kwargs": req.chat_template_kwargs or None}
+        field = "messages" if req.kind == "chat" else "prompt"
         try:
             if req.kind == "chat":
-                ids = generator.encode(req.prompt, chat=True, **extra)
+                ids = self.generator.encode(req.prompt, chat=True, **extra)
             else:
-                ids = generator.encode(req.prompt, chat=False)
+                ids = self.generator.encode(req.prompt, chat=False)
         except CaddtreeError as exc:
-            raise OpenAIError(
-                str(exc), param="messages" if req.kind == "chat" else "prompt"
-            ) from None
+            raise OpenAIError(str(exc), param=field) from None
         except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects the roles
-            raise OpenAIError(
-                f"cannot tokenize the {'messages' if req.kind == 'chat' else 'prompt'}: {exc}",
-                param="messages" if req.kind == "chat" else "prompt",
-            ) from None
+            raise OpenAIError(f"cannot tokenize the {field}: {exc}", param=field) from None
         if not ids:
             raise OpenAIError("the prompt is empty", param="prompt")
         return [int(t) for t in ids]
 
-    def generate_kwargs(req: OpenAIRequest, n_prompt: int) -> dict[str, Any]:
-        run = req.method or method
-        max_tokens = req.max_tokens
-        if context_limit is not None:
-            room = context_limit - n_prompt
-            if room <= 0:
+    def max_tokens(self, req: OpenAIRequest, n_prompt: int) -> int:
+        """The request's ``max_tokens``, defaulted, and refused where the context has no room."""
+        limit, max_tokens = self.context_limit, req.max_tokens
+        if limit is None:
+            return self.defaults.max_new_tokens if max_tokens is None else max_tokens
+        room = limit - n_prompt
+        if room <= 0:
+            raise OpenAIError(
+                f"the prompt has {n_prompt} tokens but the model's context holds {limit}; "
+                "shorten it",
+                param="messages" if req.kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return min(self.defaults.max_new_tokens, room)
+        if max_tokens > room:
+            raise OpenAIError(
+                f"the model's context holds {limit} tokens, but {n_prompt} prompt tokens plus "
+                f"max_tokens {max_tokens} need {n_prompt + max_tokens}; lower max_tokens to at "
+                f"most {room}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def method_kwargs(self, req: OpenAIRequest, run: str) -> dict[str, Any]:
+        """The settings of the request's method: DDTree's budget, CaDDTree's cost model."""
+        if run == "ddtree":
+            return {"budget": req.budget if req.budget is not None else self.defaults.budget}
+        if run != "caddtree":
+            if req.max_budget is not None:
                 raise OpenAIError(
-                    f"the prompt has {n_prompt} tokens but the model's context holds "
-                    f"{context_limit}; shorten it",
-                    param="messages" if req.kind == "chat" else "prompt",
-                    code="context_length_exceeded",
+                    f"max_budget only applies to method 'caddtree', not {run!r}",
+                    param="max_budget",
                 )
-            if max_tokens is None:
-                max_tokens = min(max_new_tokens, room)
-            elif max_tokens > room:
-                raise OpenAIError(
-                    f"the model's context holds {context_limit} tokens, but {n_prompt} prompt "
-                    f"tokens plus max_tokens {max_tokens} need {n_prompt + max_tokens}; lower "
-                    f"max_tokens to at most {room}",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
-        elif max_tokens is None:
-            max_tokens = max_new_tokens
+            return {}
+        max_budget = req.max_budget if req.max_budget is not None else self.defaults.max_budget
+        kwargs: dict[str, Any] = {"max_budget": max_budget}
+        if req.cost_model is not None:
+            kwargs["cost_model"] = self.cost_model_file(req.cost_model)
+        elif getattr(self.generator, "cost_model", None) is None:
+            raise OpenAIError(
+                "method 'caddtree' needs a cost model: this server has none (start it with "
+                "--method caddtree or --cost-model), so give cost_model (a file on the server) "
+                "or another method",
+                param="method",
+            )
+        return kwargs
+
+    def generate_kwargs(self, req: OpenAIRequest, n_prompt: int) -> dict[str, Any]:
+        run = req.method or self.defaults.method
+        temperature = self.defaults.temperature if req.temperature is None else req.temperature
         kwargs: dict[str, Any] = {
             "method": run,
-            "max_new_tokens": max_tokens,
-            "temperature": temperature if req.temperature is None else req.temperature,
+            "max_new_tokens": self.max_tokens(req, n_prompt),
+            "temperature": temperature,
             "top_p": req.top_p,
             "seed": req.seed,
+            **self.method_kwargs(req, run),
         }
-        if run == "ddtree":
-            kwargs["budget"] = req.budget if req.budget is not None else default_budget
-        if run == "caddtree":
-            kwargs["max_budget"] = req.max_budget if req.max_budget is not None else max_budget
-            if req.cost_model is not None:
-                kwargs["cost_model"] = cost_model_file(req.cost_model)
-            elif getattr(generator, "cost_model", None) is None:
-                raise OpenAIError(
-                    "method 'caddtree' needs a cost model: this server has none (start it with "
-                    "--method caddtree or --cost-model), so give cost_model (a file on the "
-                    "server) or another method",
-                    param="method",
-                )
-        elif req.max_budget is not None:
-            raise OpenAIError(
-                f"max_budget only applies to method 'caddtree', not {run!r}", param="max_budget"
-            )
         if req.ignore_eos:
             kwargs["stop_token_ids"] = ()
         kwargs.update(
@@ -290,42 +395,29 @@ def build_app(
         )
         return kwargs
 
-    async def next_event(job: Job, request: Request) -> tuple[str, Any]:
-        """The job's next event; cancels the job if the client goes away meanwhile."""
-        get = asyncio.ensure_future(job.events.get())
-        try:
-            while True:
-                done, _ = await asyncio.wait({get}, timeout=_POLL_S)
-                if done:
-                    return get.result()
-                if await request.is_disconnected():
-                    engine.cancel(job)
-                    raise _ClientGone
-        finally:
-            if not get.done():
-                get.cancel()
-
-    async def read_body(request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         """The request body, refused with 413 as soon as it is known to pass the limit."""
+        limit = self.max_request_bytes
         declared = request.headers.get("content-length", "")
         too_large = OpenAIError(
-            f"the request body is larger than this server takes ({max_request_bytes:,} bytes; "
+            f"the request body is larger than this server takes ({limit:,} bytes; "
             "caddtree serve --max-request-bytes)",
             status=413,
             code="request_too_large",
         )
-        if declared.isdigit() and int(declared) > max_request_bytes:
+        if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_request_bytes:
+            if size > limit:
                 raise too_large
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def handle(request: Request, kind: str) -> Response:
-        raw = await read_body(request)
+    async def parse(self, request: Request, kind: str) -> OpenAIRequest:
+        """The request's body, checked (400 / 404 / 413 otherwise)."""
+        raw = await self.read_body(request)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -335,129 +427,114 @@ def build_app(
                 "the request body is not valid JSON here: it nests arrays or objects too deeply"
             ) from None
         req = parse_request(body, kind)
-        if req.model is not None and req.model != model_name:
+        if req.model is not None and req.model != self.model_name:
             raise OpenAIError(
-                f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
                 status=404,
                 param="model",
                 code="model_not_found",
             )
-        prompt_ids = await asyncio.to_thread(encode, req)  # a long prompt takes a while
-        kwargs = generate_kwargs(req, len(prompt_ids))
-        job = Job(prompt_ids, kwargs, stream=req.stream)
+        return req
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (503 when the queue is full)."""
         try:
-            engine.submit(job)
+            self.engine.submit(job)
         except QueueFull:
             raise OpenAIError(
-                f"the server is busy: {engine.max_queue} requests are waiting already; retry "
-                f"after {retry_after_s} s",
+                f"the server is busy: {self.engine.max_queue} requests are waiting already; "
+                f"retry after {self.retry_after_s} s",
                 status=503,
                 code="queue_full",
-                headers={"Retry-After": str(retry_after_s)},
+                headers={"Retry-After": str(self.retry_after_s)},
             ) from None
         except ShuttingDown as exc:
-            raise generate_error(exc) from None
+            raise _generate_error(exc) from None
+
+    # ---- answering ----------------------------------------------------------------------------------
+
+    async def next_event(self, job: Job, request: Request) -> tuple[str, Any]:
+        """The job's next event; cancels the job if the client goes away meanwhile."""
+        get = asyncio.ensure_future(job.events.get())
         try:
-            first = await next_event(job, request)
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=_POLL_S)
+                if done:
+                    return get.result()
+                if await request.is_disconnected():
+                    self.engine.cancel(job)
+                    raise _ClientGone
+        finally:
+            if not get.done():
+                get.cancel()
+
+    async def until(self, job: Job, request: Request, ends: tuple[str, ...]) -> tuple[str, Any]:
+        """The job's events up to one of ``ends`` (or an error or cancellation), that one;
+        ``("gone", None)`` if the client went away."""
+        try:
+            event = await self.next_event(job, request)
+            while event[0] not in (*ends, "error", "cancelled"):
+                event = await self.next_event(job, request)
         except _ClientGone:
-            return Response(status_code=499)
+            return ("gone", None)
         except asyncio.CancelledError:
-            engine.cancel(job)
+            self.engine.cancel(job)
             raise
-        if first[0] == "error":
-            raise generate_error(first[1])
-        if first[0] == "cancelled":
+        if event[0] == "error":
+            raise _generate_error(event[1])
+        return event
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        req = await self.parse(request, kind)
+        prompt_ids = await asyncio.to_thread(self.encode, req)  # a long prompt takes a while
+        job = Job(prompt_ids, self.generate_kwargs(req, len(prompt_ids)), stream=req.stream)
+        self.submit(job)
+        first = await self.until(job, request, ends=("start", "text", "done"))
+        if first[0] in ("gone", "cancelled"):
             return Response(status_code=499)
         request_id = new_id(kind)
         if req.stream:
-            return _JobStream(stream(req, job, first, request_id), engine, job)
-        event = first
-        try:
-            while event[0] not in ("done", "error", "cancelled"):
-                event = await next_event(job, request)
-        except _ClientGone:
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            engine.cancel(job)
-            raise
-        if event[0] == "error":
-            raise generate_error(event[1])
-        if event[0] == "cancelled":
+            return _JobStream(self.stream(req, job, first, request_id), self.engine, job)
+        event = first if first[0] == "done" else await self.until(job, request, ends=("done",))
+        if event[0] in ("gone", "cancelled"):
             return Response(status_code=499)
         result = event[1]
         text, _ = cut_at_stop(result.text, req.stop)
-        stats = dict(result.stats.to_dict(), queue_time_s=(job.started or 0.0) - job.arrival)
         return _json(
             completion_body(
                 kind,
                 request_id,
-                model_name,
+                self.model_name,
                 text,
                 finish_reason(result.stats.stop_reason),
                 usage(len(result.prompt_ids), len(result.token_ids)),
-                stats,
+                _stats(result, job),
             )
         )
 
     async def stream(
-        req: OpenAIRequest, job: Job, first: tuple[str, Any], request_id: str
+        self, req: OpenAIRequest, job: Job, first: tuple[str, Any], request_id: str
     ) -> AsyncIterator[str]:
         """The server-sent events of a streaming request, from its job's events."""
-        kind = req.kind
-        created_at = int(time.time())
+        chunks = _Chunks(req, request_id, self.model_name)
         stops = StopText(req.stop)
-        usage_flag = req.include_usage
-
-        def chunk(**fields: Any) -> str:
-            return _sse(
-                chunk_body(
-                    kind, request_id, created_at, model_name, include_usage=usage_flag, **fields
-                )
-            )
-
         try:
-            if kind == "chat":
-                yield chunk(text="", role=True)
+            if req.kind == "chat":
+                yield chunks.text("", role=True)
             event = first
             while True:
                 if event[0] == "text":
                     piece = stops.push(event[1])
                     if piece:
-                        yield chunk(text=piece)
+                        yield chunks.text(piece)
                 elif event[0] == "done":
-                    result = event[1]
-                    rest = stops.finish(result.text)
-                    if rest:
-                        yield chunk(text=rest)
-                    stats = dict(
-                        result.stats.to_dict(), queue_time_s=(job.started or 0.0) - job.arrival
-                    )
-                    last = chunk_body(
-                        kind,
-                        request_id,
-                        created_at,
-                        model_name,
-                        text="" if kind == "completion" else None,
-                        finish=finish_reason(result.stats.stop_reason),
-                        include_usage=usage_flag,
-                    )
-                    last["caddtree"] = finite(stats)
-                    yield _sse(last)
-                    if usage_flag:
-                        yield _sse(
-                            {
-                                "id": request_id,
-                                "object": last["object"],
-                                "created": created_at,
-                                "model": model_name,
-                                "choices": [],
-                                "usage": usage(len(result.prompt_ids), len(result.token_ids)),
-                            }
-                        )
+                    for line in chunks.final(event[1], stops, job):
+                        yield line
                     break
                 elif event[0] == "error":
-                    err = generate_error(event[1])
-                    metrics.request_error("invalid_request" if err.status < 500 else "server_error")
+                    err = _generate_error(event[1])
+                    kind = "invalid_request" if err.status < 500 else "server_error"
+                    self.metrics.request_error(kind)
                     yield _sse(err.body())
                     break
                 elif event[0] == "cancelled":
@@ -466,42 +543,71 @@ def build_app(
             yield "data: [DONE]\n\n"
         finally:
             if not job.finished:
-                engine.cancel(job)
+                self.engine.cancel(job)
 
-    # ---- routes ---------------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat")
+class _Chunks:
+    """The server-sent-event chunks of one streaming request."""
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, "completion")
+    def __init__(self, req: OpenAIRequest, request_id: str, model_name: str) -> None:
+        self.kind, self.request_id, self.model_name = req.kind, request_id, model_name
+        self.created = int(time.time())
+        self.include_usage = req.include_usage
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        card: dict[str, Any] = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "caddtree",
-        }
-        if context_limit is not None:
-            card["max_model_len"] = context_limit
-        return _json({"object": "list", "data": [card]})
+    def body(self, **fields: Any) -> dict[str, Any]:
+        return chunk_body(
+            self.kind,
+            self.request_id,
+            self.created,
+            self.model_name,
+            include_usage=self.include_usage,
+            **fields,
+        )
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not engine.alive:
-            return _json({"status": "unavailable"}, 503)
-        return _json({"status": "ok", "running": engine.running, "waiting": engine.waiting})
+    def text(self, piece: str, **fields: Any) -> str:
+        return _sse(self.body(text=piece, **fields))
 
-    @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        text = metrics.render(running=engine.running, waiting=engine.waiting)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    def final(self, result: Any, stops: StopText, job: Job) -> list[str]:
+        """The rest of the text, the finishing chunk (with caddtree's statistics) and, when
+        asked for, the usage chunk."""
+        lines = []
+        rest = stops.finish(result.text)
+        if rest:
+            lines.append(self.text(rest))
+        last = self.body(
+            text="" if self.kind == "completion" else None,
+            finish=finish_reason(result.stats.stop_reason),
+        )
+        last["caddtree"] = finite(_stats(result, job))
+        lines.append(_sse(last))
+        if self.include_usage:
+            lines.append(
+                _sse(
+                    {
+                        "id": self.request_id,
+                        "object": last["object"],
+                        "created": self.created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage(len(result.prompt_ids), len(result.token_ids)),
+                    }
+                )
+            )
+        return lines
 
-    return app
+
+def _stats(result: Any, job: Job) -> dict[str, Any]:
+    """caddtree's statistics of a finished job, its time in the queue included."""
+    return dict(result.stats.to_dict(), queue_time_s=(job.started or 0.0) - job.arrival)
+
+
+def _generate_error(exc: BaseException) -> OpenAIError:
+    """The HTTP error for an exception the worker got from ``generate``."""
+    if isinstance(exc, ShuttingDown):
+        return OpenAIError(str(exc), status=503, code="shutting_down")
+    if isinstance(exc, CaddtreeError):
+        return OpenAIError(str(exc), status=400)
+    return OpenAIError(f"internal server error: {exc}", status=500, code="internal_error")
 
 
 class _JobStream(StreamingResponse):

@@ -239,6 +239,38 @@ class ServerMetrics:
             for method, counts in self.methods.items():
                 sample(value(counts), f'method="{_escape_label(method)}"')
 
+    def _histograms(self) -> list[tuple[str, Histogram, str]]:
+        """The latency histograms: (metric, histogram, help text)."""
+        return [
+            (
+                "time_to_first_token_seconds",
+                self.ttft,
+                "Time from the request's arrival (queue time included) to its first token.",
+            ),
+            (
+                "e2e_request_latency_seconds",
+                self.e2e,
+                "Time from the request's arrival to the end of its generation.",
+            ),
+            (
+                "request_queue_time_seconds",
+                self.queue_time,
+                "Time a request waited in the queue before its generation started.",
+            ),
+            (
+                "inter_token_latency_seconds",
+                self.itl,
+                "Time between two successive outputs of a request (one sample per round that "
+                "gave it tokens).",
+            ),
+            (
+                "request_time_per_output_token_seconds",
+                self.tpot,
+                "Per completed request: decoding time after the first token over its tokens "
+                "after the first.",
+            ),
+        ]
+
     def render(self, *, running: int, waiting: int) -> str:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
         lines: list[str] = []
@@ -309,35 +341,7 @@ class ServerMetrics:
                 "the generation time after the prefill (NaN before the first such request).",
             )
             sample(ratio(self.decode_tokens, self.decode_s))
-            for metric, hist, help_text in (
-                (
-                    "time_to_first_token_seconds",
-                    self.ttft,
-                    "Time from the request's arrival (queue time included) to its first token.",
-                ),
-                (
-                    "e2e_request_latency_seconds",
-                    self.e2e,
-                    "Time from the request's arrival to the end of its generation.",
-                ),
-                (
-                    "request_queue_time_seconds",
-                    self.queue_time,
-                    "Time a request waited in the queue before its generation started.",
-                ),
-                (
-                    "inter_token_latency_seconds",
-                    self.itl,
-                    "Time between two successive outputs of a request (one sample per round that "
-                    "gave it tokens).",
-                ),
-                (
-                    "request_time_per_output_token_seconds",
-                    self.tpot,
-                    "Per completed request: decoding time after the first token over its tokens "
-                    "after the first.",
-                ),
-            ):
+            for metric, hist, help_text in self._histograms():
                 family(metric, "histogram", help_text)
                 lines.extend(hist.samples(name, model))
         return "\n".join(lines) + "\n"
