@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from ..checks import check_int
 from ..errors import InvalidInputError
@@ -89,15 +90,11 @@ class BatchProposer:
         shape = (self.slots, self.kv_heads, capacity, self.head_dim)
 
         def grown(old: list[torch.Tensor]) -> list[torch.Tensor]:
-            new = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in old]
-            for fresh, kept in zip(new, old):
+            new = [weight.new_zeros(shape) for _ in self.drafter.layers]
+            for fresh, kept in zip(new, old):  # nothing to keep the first time
                 fresh[:, :, : self.capacity] = kept
             return new
 
-        if not self.keys:
-            self.keys = self.values = [
-                weight.new_zeros((self.slots, self.kv_heads, 0, self.head_dim))
-            ] * len(self.drafter.layers)
         self.keys, self.values = grown(self.keys), grown(self.values)
         self.capacity = capacity
 
@@ -224,7 +221,6 @@ class _Plan(NamedTuple):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` [rows, heads, D] by ``cos``/``sin`` [rows, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rotated * sin
+    """Rotary embedding of ``x`` [rows, heads, D] by ``cos``/``sin`` [rows, 1, D], as the
+    drafter's own attention applies it (transformers' ``rotate_half``)."""
+    return x * cos + rotate_half(x) * sin

@@ -76,16 +76,8 @@ def compile_unsupported(target: Any) -> str | None:
 
 
 def _cxx_compiler() -> str | None:
-    return next(
-        (
-            found
-            for name in (os.environ.get("CXX"), "g++", "c++", "clang++")
-            if name
-            for found in [shutil.which(name)]
-            if found
-        ),
-        None,
-    )
+    names = (os.environ.get("CXX"), "g++", "c++", "clang++")
+    return next((path for path in map(shutil.which, filter(None, names)) if path), None)
 
 
 def _lower_unfrozen_packed_linear() -> None:
@@ -228,15 +220,11 @@ class CompiledLayers:
         mask = rows.mask
         if mask is None:  # one row: the mask only carries the attended length
             mask = torch.ones((1, 1, 1, start + n), dtype=torch.bool, device=x.device)
-        for tensor, dims in (
-            (x, (0,) if n > 1 else ()),
-            (cos, (0,) if n > 1 else ()),
-            (sin, (0,) if n > 1 else ()),
-            (entries, (0,) if n > 1 else ()),
-            (mask, (2, 3) if n > 1 else (3,)),
-        ):
-            for dim in dims:
-                torch._dynamo.mark_dynamic(tensor, dim)
+        torch._dynamo.mark_dynamic(mask, 3)  # the attended length
+        if n > 1:  # the tree graph: any number of rows
+            for tensor in (x, cos, sin, entries):
+                torch._dynamo.mark_dynamic(tensor, 0)
+            torch._dynamo.mark_dynamic(mask, 2)
         return self._graph(
             target.layers,
             target.shape,
