@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from caddtree.api import SpeculativeGenerator
-from caddtree.defaults import resolve_model_pair
+from caddtree.core.tree import DraftTree
 from caddtree.models.attention import GQA_SDPA
-from caddtree.tree import DraftTree
+from caddtree.util.defaults import resolve_model_pair
 from long_generation import branching_tree, prefill_context  # this folder's memory benchmark
 
 IMPLEMENTATIONS = ("sdpa", GQA_SDPA)

@@ -1,17 +1,17 @@
-"""Throughput of several requests decoded together (caddtree.batching), by batch size.
+"""Throughput of several requests decoded together (caddtree.engine.batching), by batch size.
 
     python benchmarks/batch_throughput.py [--requests 16] [--max-new-tokens 64]
                                           [--batches 1 2 4 8] [--methods ar ddtree-8]
 
 Loads the built-in pair in bfloat16 on the lean runtime and, for each ``--batches`` size B and
 each method, decodes ``--requests`` chat prompts of ``--max-new-tokens`` tokens with
-:class:`caddtree.batching.BatchDecoder` (B requests at once, the next one joining as soon as one
+:class:`caddtree.engine.batching.BatchDecoder` (B requests at once, the next one joining as soon as one
 finishes), greedy. It prints the aggregate tokens per second (all requests' tokens over the wall
 time, prefills included), τ over all rounds, and the speed-up over the same method at batch 1.
 The methods run in alternating order at each batch size, after an untimed warm-up of each.
 ``ddtree-N`` is DDTree with budget N; ``caddtree`` uses the cost model cached for this machine
 and builds each request's tree as if it were alone; ``caddtree-joint`` chooses all the batch's
-trees with one joint budget (:func:`caddtree.tree.build_joint_caddtrees`), pricing a batch round
+trees with one joint budget (:func:`caddtree.core.tree.build_joint_caddtrees`), pricing a batch round
 with that one-sequence cost model (``BatchDecoder``'s stand-in until the batch cost model is
 measured).
 """
@@ -24,9 +24,9 @@ import time
 import torch
 
 from caddtree.api import chat_template_ids
-from caddtree.batching import BatchDecoder, GenerationRequest
-from caddtree.decoding import make_policy
-from caddtree.loading import load_pair
+from caddtree.arguments import load_pair
+from caddtree.engine.batching import BatchDecoder, GenerationRequest
+from caddtree.engine.decoding import make_policy
 from chat_prompts import PROMPTS
 
 

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from caddtree.defaults import default_target_dir
 from caddtree.train.data import TrainingData, chat_prompt_ids
 from caddtree.train.features import compute_features
 from caddtree.train.loss import AnchorBlockLoss
 from caddtree.train.trainer import TrainConfig, load_trained_drafter
+from caddtree.util.defaults import default_target_dir
 
 DATA = Path(__file__).resolve().parents[1] / "training-data/smollm2-135m-instruct/data.safetensors"
 

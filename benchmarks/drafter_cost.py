@@ -25,10 +25,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from caddtree.defaults import default_target_dir
-from caddtree.devices import resolve_dtype
 from caddtree.models import DFlashDraftModel, DFlashProposer
 from caddtree.models.target import TreeVerifier
+from caddtree.util.defaults import default_target_dir
+from caddtree.util.devices import resolve_dtype
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from caddtree.loading import load_pair
-from caddtree.tree import DraftTree
+from caddtree.arguments import load_pair
+from caddtree.core.tree import DraftTree
 
 
 def one_token_linears(target, hidden: int, inner: int) -> Callable[[], None]:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from caddtree.api import SpeculativeGenerator
-from caddtree.defaults import resolve_model_pair
 from caddtree.models.packing import pack_linear_layers, unpack_linear_layers
+from caddtree.util.defaults import resolve_model_pair
 
 NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

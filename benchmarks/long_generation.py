@@ -98,7 +98,7 @@ def branching_tree(rng: Any, vocab: int, budget: int = 16) -> Any:
     with a few likely tokens per position so that the tree branches (for timing verification)."""
     import numpy as np
 
-    from caddtree.tree import build_ddtree
+    from caddtree.core.tree import build_ddtree
 
     logits = rng.normal(size=(15, vocab)).astype(np.float32)
     logits[:, :4] += 6.0
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from caddtree.api import SpeculativeGenerator
-    from caddtree.defaults import resolve_model_pair
-    from caddtree.devices import dtype_name
+    from caddtree.util.defaults import resolve_model_pair
+    from caddtree.util.devices import dtype_name
 
     target, draft, dtype = resolve_model_pair(None, None, args.dtype)
     gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device=args.device)

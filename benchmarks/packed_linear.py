@@ -24,10 +24,10 @@ import time
 import torch
 
 from caddtree.api import SpeculativeGenerator
-from caddtree.defaults import resolve_model_pair
+from caddtree.core.profiling import profiling_tree
+from caddtree.core.tree import DraftTree
 from caddtree.models.packing import pack_linear_layers, unpack_linear_layers
-from caddtree.profiling import profiling_tree
-from caddtree.tree import DraftTree
+from caddtree.util.defaults import resolve_model_pair
 from chat_prompts import PROMPTS as ALL_PROMPTS
 
 PROMPTS = ALL_PROMPTS[:4]

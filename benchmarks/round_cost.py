@@ -8,7 +8,7 @@ them, in bfloat16) and for the tiny random float64 pair of the tests, it decodes
 prompts with ``--method`` after one untimed warm-up, and prints, over all rounds that drafted:
 
 * the median milliseconds per round of each part of a round, as
-  :class:`caddtree.decoding.RoundStats` times it (device synchronised):
+  :class:`caddtree.engine.decoding.RoundStats` times it (device synchronised):
 
   - ``drafter forward`` (``draft_s - project_s``): the drafter's layers;
   - ``projection`` (``project_s``): its hidden states through the (draft) vocabulary head, for
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from caddtree.checks import METHODS
-from caddtree.decoding import RoundStats
+from caddtree.engine.decoding import RoundStats
+from caddtree.util.checks import METHODS
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -64,7 +64,7 @@ FORWARDS = ("drafter forward", "projection", "target forward")
 def default_pair(method: str) -> tuple[Any, list[Any], Any]:
     """The built-in pair in bfloat16, its prompts, and (for CaDDTree) its cached cost model."""
     from caddtree.api import SpeculativeGenerator
-    from caddtree.defaults import resolve_model_pair
+    from caddtree.util.defaults import resolve_model_pair
 
     target, draft, dtype = resolve_model_pair(None, None, "auto")
     gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device="cpu")

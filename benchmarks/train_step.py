@@ -37,8 +37,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from caddtree.defaults import default_target_dir
     from caddtree.train import TrainConfig, TrainingData, train_drafter
+    from caddtree.util.defaults import default_target_dir
 
     target = AutoModelForCausalLM.from_pretrained(
         default_target_dir(), dtype=torch.bfloat16, attn_implementation="sdpa"

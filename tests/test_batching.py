@@ -1,4 +1,4 @@
-"""Several requests decoded together (caddtree.batching): each one's output is its own.
+"""Several requests decoded together (caddtree.engine.batching): each one's output is its own.
 
 Float64 tiny models: with requests of every method joining and leaving between rounds, at batch
 sizes 1 to 4, every greedy output equals plain greedy decoding token for token, a stop token ends
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from caddtree import ConvexCostModel, InvalidInputError
-from caddtree.batching import BatchDecoder, GenerationRequest
-from caddtree.cost import PiecewiseLinearCurve
-from caddtree.decoding import make_policy
+from caddtree.core.cost import PiecewiseLinearCurve
+from caddtree.core.sampling import Sampler
+from caddtree.engine.batching import BatchDecoder, GenerationRequest
+from caddtree.engine.decoding import make_policy
 from caddtree.models.lean import LeanTarget
-from caddtree.sampling import Sampler
 from sampling_checks import hf_generate
 from tiny_models import FEATURE_LAYER_IDS
 
@@ -146,7 +146,7 @@ def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_
     without drafting (for a few rounds, then try again); the drafter still receives every
     committed token's features when it drafts again, so outputs stay plain greedy decoding. A
     free drafter pass is never skipped (a round with no nodes ties with plain decoding)."""
-    from caddtree import batching
+    from caddtree.engine import batching
 
     batch = BatchDecoder(
         LeanTarget(qwen3, FEATURE_LAYER_IDS),

@@ -24,8 +24,8 @@ from caddtree.bench.results import (
 from caddtree.bench.runner import BenchConfig, run_bench
 from caddtree.bench.tables import summary_table
 from caddtree.cli import main
-from caddtree.cost import ConvexCostModel
-from caddtree.errors import InvalidInputError
+from caddtree.core.cost import ConvexCostModel
+from caddtree.util.errors import InvalidInputError
 
 PROMPTS = [
     {"id": "one", "prompt": "hello there"},

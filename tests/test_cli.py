@@ -289,8 +289,8 @@ def compare_ar_argv(dirs, *extra):
 
 
 def test_ar_baseline_dtypes_rule():
-    from caddtree.devices import ar_baseline_dtypes
-    from caddtree.errors import InvalidInputError
+    from caddtree.util.devices import ar_baseline_dtypes
+    from caddtree.util.errors import InvalidInputError
 
     bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
     # on the CPU the other of float32 and half precision; on a GPU bfloat16 for float32 only
@@ -529,7 +529,7 @@ def test_importing_the_cli_loads_no_torch():
 )
 def test_help_and_tree_demo_load_no_torch(argv):
     """`caddtree --help`, a sub-command's help and the numpy-only tree demo answer without
-    torch (issue 11 §4): the parser takes its choices from caddtree.checks, not from decoding."""
+    torch (issue 11 §4): the parser takes its choices from caddtree.util.checks, not from decoding."""
     code = (
         "import sys, contextlib, io\n"
         "from caddtree.cli import main\n"
@@ -563,7 +563,7 @@ def test_a_ctrl_c_that_a_library_swallows_still_stops_with_130(capsys):
     import signal
     import time
 
-    from caddtree.logs import run_command
+    from caddtree.util.logs import run_command
 
     def swallowing_command() -> int:
         try:

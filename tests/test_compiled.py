@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from caddtree import InvalidInputError, SpeculativeGenerator
+from caddtree.core.tree import DraftTree
 from caddtree.models import TreeVerifier, lean
 from caddtree.models.compiled import CompiledLayers
 from caddtree.models.lean import LeanVerifier
-from caddtree.tree import DraftTree
 from test_lean import LAYERS, assert_same, deep_path, prompt, tree
 from tiny_models import llama_target, new_drafter, qwen3_target
 

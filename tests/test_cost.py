@@ -19,8 +19,8 @@ from caddtree import (
     build_caddtree,
     load_cost_model,
 )
-from caddtree.cost import PiecewiseLinearCurve
-from caddtree.cost_fit import fit_convex_nondecreasing
+from caddtree.core.cost import PiecewiseLinearCurve
+from caddtree.core.cost_fit import fit_convex_nondecreasing
 
 
 def is_convex_nondecreasing(x: np.ndarray, f: np.ndarray, tol: float) -> bool:
@@ -380,7 +380,7 @@ def test_bad_costs_are_refused_where_trees_are_built(draft_cost, verify, message
     with pytest.raises(CostModelError, match=message):
         build_caddtree(logits, model, context_length=10, max_budget=32)
     with pytest.raises(CostModelError, match=message):
-        caddtree.tree.surrogate_throughput(logits, model, 10, 32)
+        caddtree.core.tree.surrogate_throughput(logits, model, 10, 32)
 
 
 def test_a_valid_user_cost_model_builds_trees():

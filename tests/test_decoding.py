@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from caddtree import ConstantCostModel, ConvexCostModel, InvalidInputError
-from caddtree.cost import PiecewiseLinearCurve
-from caddtree.decoding import Proposer, decode, make_policy
+from caddtree.core.cost import PiecewiseLinearCurve
+from caddtree.core.sampling import Sampler
+from caddtree.engine.decoding import Proposer, decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
-from caddtree.sampling import Sampler
 from oracle import OracleProposer, decode_with
 from sampling_checks import chi_square_pvalue, hf_generate, sharp_qwen3
 from tiny_models import FEATURE_LAYER_IDS, MAX_POSITIONS, VOCAB, llama_target, new_drafter

@@ -13,10 +13,10 @@ import types
 
 import pytest
 
-from caddtree import defaults, files
 from caddtree.bench import datasets as benchmarks
-from caddtree.errors import CaddtreeError, CheckpointError, InvalidInputError
 from caddtree.train import prompts as training
+from caddtree.util import defaults, files
+from caddtree.util.errors import CaddtreeError, CheckpointError, InvalidInputError
 
 # ---- cache location -----------------------------------------------------------------------------
 

@@ -10,8 +10,8 @@ import torch
 
 from caddtree import InvalidInputError
 from caddtree.api import SpeculativeGenerator
+from caddtree.bench.divergence import NEAR_TIE_ULPS, explain_divergence, near_tie_threshold
 from caddtree.cli import main
-from caddtree.divergence import NEAR_TIE_ULPS, explain_divergence, near_tie_threshold
 from tiny_models import MASK_TOKEN_ID, VOCAB, new_drafter, qwen3_target
 from tiny_tokenizer import tiny_tokenizer
 

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from caddtree import CaddtreeError
-from caddtree.decoding import decode, make_policy
+from caddtree.core.tree import build_ddtree
+from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
 from caddtree.train.data import TrainingData, choose_draft_vocab
-from caddtree.tree import build_ddtree
 from sampling_checks import hf_generate
 from test_decoding import POLICIES, PROMPTS
 from tiny_models import FEATURE_LAYER_IDS, MASK_TOKEN_ID, VOCAB, new_drafter

@@ -26,8 +26,8 @@ from transformers.generation.streamers import BaseStreamer
 import caddtree
 import caddtree.hf
 from caddtree import InvalidInputError, SpeculativeGenerator
+from caddtree.core.sampling import Sampler
 from caddtree.hf import CaddtreeGenerateOutput
-from caddtree.sampling import Sampler
 from sampling_checks import (
     COST,
     MARGINAL_PROMPT,

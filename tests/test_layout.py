@@ -59,7 +59,7 @@ def test_no_module_is_over_the_length_limit():
 
 def test_lazy_re_exports_load_only_the_module_that_defines_the_name():
     """``caddtree``, ``caddtree.bench`` and ``caddtree.train`` offer their submodules' names
-    through one helper (:func:`caddtree.lazy.lazy_exports`): a name loads only its own module."""
+    through one helper (:func:`caddtree.util.lazy.lazy_exports`): a name loads only its own module."""
     code = (
         "import sys, caddtree, caddtree.bench, caddtree.train\n"
         "from caddtree.bench import load_results\n"

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from caddtree import ConvexCostModel, InvalidInputError, build_caddtree, build_chain, build_ddtree
-from caddtree.cost import PiecewiseLinearCurve
-from caddtree.decoding import decode, make_policy
+from caddtree.core.cost import PiecewiseLinearCurve
+from caddtree.core.tree import DraftRows
+from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
 from caddtree.models.proposer import PROJECTION_STEPS, DraftLogits
-from caddtree.tree import DraftRows
 from tiny_models import FEATURE_LAYER_IDS, new_drafter
 
 

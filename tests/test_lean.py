@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from caddtree import InvalidInputError, SpeculativeGenerator
+from caddtree.core.profiling import profiling_tree
+from caddtree.core.tree import DraftTree
 from caddtree.models import TreeVerifier, lean
 from caddtree.models.lean import LeanTarget, LeanVerifier, Rows, lean_unsupported
-from caddtree.profiling import profiling_tree
-from caddtree.tree import DraftTree
 from tiny_models import VOCAB, llama_target, new_drafter, qwen3_target
 
 TARGETS = {"qwen3": qwen3_target, "llama": llama_target}

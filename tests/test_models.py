@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from caddtree.errors import CheckpointError, InvalidInputError
+from caddtree.core.tree import DraftTree, build_chain, build_ddtree
 from caddtree.models import (
     DFlashDraftModel,
     DFlashProposer,
@@ -28,7 +28,7 @@ from caddtree.models import (
     tree_attention_mask,
 )
 from caddtree.models import attention as gqa_attention
-from caddtree.tree import DraftTree, build_chain, build_ddtree
+from caddtree.util.errors import CheckpointError, InvalidInputError
 from tiny_models import (
     FEATURE_LAYER_IDS,
     HIDDEN,

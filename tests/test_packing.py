@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from caddtree import ConvexCostModel
 from caddtree.api import SpeculativeGenerator
-from caddtree.cost import PiecewiseLinearCurve
+from caddtree.core.cost import PiecewiseLinearCurve
 from caddtree.models.packing import (
     pack_linear_layers,
     packed_linear_count,
@@ -185,7 +185,7 @@ def test_the_command_line_flag_turns_packing_off(tiny_pair_dirs):
     """``--no-weight-packing`` (every command that loads the pair) reaches the loaded generator."""
     import argparse
 
-    from caddtree.loading import add_method_arguments, add_pair_arguments, load_pair_of
+    from caddtree.arguments import add_method_arguments, add_pair_arguments, load_pair_of
 
     parser = argparse.ArgumentParser()
     add_pair_arguments(parser)

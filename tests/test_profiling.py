@@ -1,4 +1,4 @@
-"""`caddtree profile` and caddtree.profiling: measuring, fitting, saving and plotting the cost model
+"""`caddtree profile` and caddtree.core.profiling: measuring, fitting, saving and plotting the cost model
 on the tiny float64 pair, and clear one-line errors for grids a user can get wrong."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import torch
 
 from caddtree import ConvexCostModel, load_cost_model
 from caddtree.cli import main
-from caddtree.errors import InvalidInputError
-from caddtree.profiling import (
+from caddtree.core.profiling import (
     MAX_NODE_COUNT,
     check_profile_grid,
     fit_context_lengths,
     plot_cost_model,
     profile_cost_model,
 )
+from caddtree.util.errors import InvalidInputError
 from tiny_models import MAX_POSITIONS, qwen3_target, saved_drafter
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -122,7 +122,7 @@ def test_profile_plot_is_a_real_png(profiled):
 
 def capture_figure(monkeypatch):
     """Replace save_figure to keep the figure for inspection (it still writes the file)."""
-    import caddtree.plots as plots
+    import caddtree.util.plots as plots
 
     captured = {}
     real = plots.save_figure
@@ -305,7 +305,7 @@ def test_the_profile_estimate_is_on_the_high_side_of_the_real_time(tiny_generato
     """With verification made slow (as a half dtype on a CPU makes it), the estimate knows."""
     import time
 
-    from caddtree.profiling import estimate_profile_seconds
+    from caddtree.core.profiling import estimate_profile_seconds
 
     verifier, proposer = tiny_generator.verifier, tiny_generator.proposer
     verify = verifier.verify
@@ -366,7 +366,7 @@ def test_the_grid_is_measured_in_interleaved_passes(tiny_generator, monkeypatch)
 
 
 def test_describe_duration():
-    from caddtree.profiling import describe_duration
+    from caddtree.core.profiling import describe_duration
 
     assert describe_duration(3) == "about 3 seconds"
     assert describe_duration(70) == "about a minute"
@@ -378,10 +378,10 @@ def test_first_use_profiling_says_how_long_it_will_take(
     tiny_generator, tmp_path, monkeypatch, caplog
 ):
     """It promised "about a minute" whatever the dtype; a float16 profile on a CPU took 15."""
-    import caddtree.profiling
+    import caddtree.core.profiling
 
     fake = ConvexCostModel.fit({0: ([0, 8, 64], [0.01, 0.011, 0.02])}, draft_cost=0.002)
-    monkeypatch.setattr(caddtree.profiling, "estimate_profile_seconds", lambda *a, **k: 900.0)
+    monkeypatch.setattr(caddtree.core.profiling, "estimate_profile_seconds", lambda *a, **k: 900.0)
     monkeypatch.setattr(tiny_generator, "profile", lambda **kwargs: fake)
     monkeypatch.setattr(tiny_generator.verifier, "dtype", torch.float16)  # what the hint reads
     tiny_generator.cached_cost_model(tmp_path)

@@ -16,7 +16,7 @@ from caddtree.bench.results import load_results, load_trees, side_file
 from caddtree.bench.summary import aggregate, budget_grid, confidence_analysis
 from caddtree.bench.tables import method_table, table1
 from caddtree.cli import main
-from caddtree.errors import InvalidInputError
+from caddtree.util.errors import InvalidInputError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -384,9 +384,9 @@ def test_cost_model_figure_through_profiling(tmp_path, monkeypatch):
         target.write_bytes(PNG_MAGIC)
         return target
 
-    import caddtree.profiling
+    import caddtree.core.profiling
 
-    monkeypatch.setattr(caddtree.profiling, "plot_cost_model", fake_plot)
+    monkeypatch.setattr(caddtree.core.profiling, "plot_cost_model", fake_plot)
     files = write_report(path, tmp_path / "a", cost_model=cost)
     assert len(calls) == 1 and calls[0].draft_cost == pytest.approx(0.003)
     assert "fig4_cost_model.png" in {p.name for p in files}

@@ -4,7 +4,7 @@ Regression tests of the defects found by probing the Python API as a demanding u
 property-based suite (hypothesis) that throws malformed inputs at the public entry points: cost-model
 files, drafter configs and weight files, prompts (strings, bytes, id lists, tensors, arrays), and
 budgets and sampling parameters. Every case ends in one of two ways: a
-:class:`~caddtree.errors.CaddtreeError` whose one-line message names the problem, or a correct
+:class:`~caddtree.util.errors.CaddtreeError` whose one-line message names the problem, or a correct
 result (checked against plain greedy decoding where the output is determined). Never another
 exception type. The models are the tiny float64 pair of ``tiny_pair_dirs``, loaded once.
 """
@@ -26,17 +26,17 @@ from hypothesis.extra import numpy as hnp
 from caddtree import (
     ConvexCostModel,
     build_caddtree,
-    checks,
     load_cost_model,
     surrogate_throughput,
     topk_log_probs,
 )
 from caddtree.api import SpeculativeGenerator
-from caddtree.checks import METHODS
-from caddtree.errors import CaddtreeError, CheckpointError, InvalidInputError
-from caddtree.files import atomic_write_text
 from caddtree.models import DFlashDraftModel, DFlashProposer
 from caddtree.models.dflash import _SIZE_FIELDS
+from caddtree.util import checks
+from caddtree.util.checks import METHODS
+from caddtree.util.errors import CaddtreeError, CheckpointError, InvalidInputError
+from caddtree.util.files import atomic_write_text
 from tiny_models import HIDDEN, MAX_POSITIONS, VOCAB
 
 PROMPT = [5, 6, 7]

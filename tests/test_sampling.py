@@ -27,9 +27,9 @@ from transformers import (
 
 from caddtree import InvalidInputError, SpeculativeGenerator
 from caddtree.cli import main
-from caddtree.decoding import decode, make_policy
+from caddtree.core.sampling import Sampler
+from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashProposer
-from caddtree.sampling import Sampler
 from oracle import OracleProposer, decode_with
 from sampling_checks import (
     MARGINAL_PROMPT,

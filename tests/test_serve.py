@@ -27,8 +27,8 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from caddtree import SpeculativeGenerator  # noqa: E402
-from caddtree.errors import MissingDependencyError  # noqa: E402
 from caddtree.serve import build_app, main  # noqa: E402
+from caddtree.util.errors import MissingDependencyError  # noqa: E402
 
 MODEL = "tiny-qwen3"
 MAX_QUEUE = 4
@@ -579,8 +579,8 @@ def test_deeply_nested_json_is_a_400_not_a_recursion_error(served, caplog):
 
 
 def test_stop_lists_are_capped_and_cost_memory_of_the_strings_only(served, reference):
-    from caddtree.checks import MAX_STOP_STRINGS
-    from caddtree.decoding import StopStrings
+    from caddtree.engine.decoding import StopStrings
+    from caddtree.util.checks import MAX_STOP_STRINGS
 
     many = [f"never{i}" for i in range(MAX_STOP_STRINGS + 1)]
     status, _, reply = post(served, "/v1/chat/completions", json.dumps({**CHAT, "stop": many}))

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from caddtree.streaming import IncrementalDecoder
+from caddtree.util.streaming import IncrementalDecoder
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
@@ -95,7 +95,7 @@ class _ByteLevelGenerator:
 
     def generate(self, prompt, method="ar", callback=None, **kwargs):
         from caddtree.api import GenerationResult
-        from caddtree.decoding import GenerationStats
+        from caddtree.engine.decoding import GenerationStats
 
         ids = TOKENIZER.encode(TEXT)
         callback(None, ids[:1])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from caddtree.decoding import decode, make_policy
+from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
 from caddtree.train.data import TrainingData, generate_responses, prepare_data
 from caddtree.train.features import compute_features
@@ -408,8 +408,8 @@ def test_a_save_interrupted_between_its_renames_resumes_from_the_previous_checkp
 def test_growing_a_drafter_keeps_its_function_and_trains_on(target, data, tmp_path):
     """``--init-from`` a drafter with fewer layers appends layers that start as the identity
     (zero output projections), so the grown drafter computes exactly what the smaller one did."""
-    from caddtree.errors import InvalidInputError
     from caddtree.train.trainer import grow_drafter
+    from caddtree.util.errors import InvalidInputError
     from tiny_models import new_drafter
 
     small = new_drafter(target, num_layers=1, draft_token_ids=list(range(0, VOCAB, 2)))

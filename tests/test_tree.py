@@ -22,7 +22,7 @@ from caddtree import (
     surrogate_throughput,
     topk_log_probs,
 )
-from caddtree.cost import PiecewiseLinearCurve
+from caddtree.core.cost import PiecewiseLinearCurve
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -324,7 +324,7 @@ def assert_same_tree(a, b):
 def test_lazy_reading_builds_the_reference_trees(depth, vocab, levels, budget, first_k, seed):
     """Logits drawn from a few levels, so ties are everywhere (within a row and between prefixes);
     a small first read forces the widening path."""
-    import caddtree.candidates as candidates_module
+    import caddtree.core.candidates as candidates_module
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(candidates_module, "FIRST_K", first_k)
@@ -351,8 +351,8 @@ def check_lazy_against_reference(depth, vocab, levels, budget, seed):
 
 
 def test_widening_reads_only_what_the_expansion_reaches():
-    from caddtree.candidates import FIRST_K, Candidates
-    from caddtree.tree import _expand
+    from caddtree.core.candidates import FIRST_K, Candidates
+    from caddtree.core.tree import _expand
 
     logits = np.random.default_rng(0).normal(size=(8, 5000))
     logits[0] *= 0.01  # a flat first position: a big tree goes deep into its candidates
@@ -384,7 +384,7 @@ def test_rows_of_ties_are_read_until_something_is_usable():
 def test_chunked_selection_finds_the_k_largest(extra, k, levels, spike, dtype, seed):
     """The chunk-max selection returns exactly the ``k`` largest values, at indices holding
     them: with ties (few levels), the best entries in the short last chunk, rows of -inf."""
-    from caddtree.rows import CHUNK, top_candidates
+    from caddtree.core.rows import CHUNK, top_candidates
 
     vocab = 8 * 32 * CHUNK + extra  # large enough for the chunked path at every k drawn
     rng = np.random.default_rng(seed)
@@ -437,7 +437,7 @@ def _batch_theta(split, phis, costs) -> float:
 
 
 def test_the_joint_budget_of_one_request_is_caddtree():
-    from caddtree.tree import build_joint_caddtrees
+    from caddtree.core.tree import build_joint_caddtrees
 
     rng = np.random.default_rng(3)
     model = ConvexCostModel(
@@ -454,7 +454,7 @@ def test_the_joint_budget_of_one_request_is_caddtree():
 def test_the_joint_budget_is_the_best_split_of_the_best_total():
     """Brute force over every split of every total: no other choice of per-request node counts
     has a higher batch surrogate, and each request's tree is its DDTree of that size."""
-    from caddtree.tree import build_joint_caddtrees
+    from caddtree.core.tree import build_joint_caddtrees
 
     rng = np.random.default_rng(7)
     for trial in range(6):
@@ -479,7 +479,7 @@ def test_the_joint_budget_is_the_best_split_of_the_best_total():
 
 
 def test_the_joint_budget_grows_with_cheaper_nodes_and_refuses_bad_costs():
-    from caddtree.tree import build_joint_caddtrees
+    from caddtree.core.tree import build_joint_caddtrees
 
     rng = np.random.default_rng(11)
     drafts = [rng.normal(0, 3.0, size=(6, 30)) for _ in range(4)]

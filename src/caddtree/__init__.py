@@ -10,18 +10,9 @@ Public API (see README.md):
   DFlash drafter :class:`DFlashDraftModel`; these load torch and transformers on first use.
 """
 
-from .checks import METHODS
-from .cost import ConstantCostModel, ConvexCostModel, CostModel, load_cost_model
-from .cost_fit import FitQuality
-from .errors import (
-    CaddtreeError,
-    CheckpointError,
-    CostModelError,
-    InvalidInputError,
-    MissingDependencyError,
-)
-from .lazy import lazy_exports
-from .tree import (
+from .core.cost import ConstantCostModel, ConvexCostModel, CostModel, load_cost_model
+from .core.cost_fit import FitQuality
+from .core.tree import (
     DraftTree,
     TopK,
     build_caddtree,
@@ -30,6 +21,15 @@ from .tree import (
     surrogate_throughput,
     topk_log_probs,
 )
+from .util.checks import METHODS
+from .util.errors import (
+    CaddtreeError,
+    CheckpointError,
+    CostModelError,
+    InvalidInputError,
+    MissingDependencyError,
+)
+from .util.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,11 @@ __version__ = "0.1.0"
 # drafter load torch and transformers when first used.
 __getattr__, __dir__ = lazy_exports(
     __name__,
-    {"SpeculativeGenerator": "api", "GenerationResult": "decoding", "DFlashDraftModel": "models"},
+    {
+        "SpeculativeGenerator": "api",
+        "GenerationResult": "engine.decoding",
+        "DFlashDraftModel": "models",
+    },
     # submodules reachable as attributes without importing them first (``caddtree.hf.generate``)
     submodules=("hf",),
 )

@@ -18,7 +18,20 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from .checks import (
+from .core.cost import CostModel, load_cost_model
+from .core.sampling import Sampler
+from .core.tree import DraftTree
+from .engine.decoding import (
+    GenerationResult,
+    RoundStats,
+    StopStrings,
+    TreePolicy,
+    _criteria_list,
+    decode,
+    make_policy,
+)
+from .engine.requests import GenerationRequest
+from .util.checks import (
     _chat_messages,
     check_chat_template_kwargs,
     check_int,
@@ -28,17 +41,7 @@ from .checks import (
     check_tree_budgets,
     token_ids,
 )
-from .cost import CostModel, load_cost_model
-from .decoding import (
-    GenerationResult,
-    RoundStats,
-    StopStrings,
-    TreePolicy,
-    _criteria_list,
-    decode,
-    make_policy,
-)
-from .devices import (
+from .util.devices import (
     CPU_SLOW_HALF,
     dtype_name,
     machine_description,
@@ -46,10 +49,7 @@ from .devices import (
     resolve_dtype,
     weights_digest,
 )
-from .errors import CaddtreeError, CheckpointError, InvalidInputError
-from .requests import GenerationRequest
-from .sampling import Sampler
-from .tree import DraftTree
+from .util.errors import CaddtreeError, CheckpointError, InvalidInputError
 
 if TYPE_CHECKING:
     from .models.dflash import DFlashDraftModel
@@ -87,7 +87,7 @@ def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
 
 
 def stop_string_criterion(tokenizer: Any, stop_strings: list[str]) -> StopStrings:
-    """A :class:`~caddtree.decoding.StopStrings` criterion for ``stop_strings`` (checked with
+    """A :class:`~caddtree.engine.decoding.StopStrings` criterion for ``stop_strings`` (checked with
     :func:`check_stop`), or a clear error when ``tokenizer`` cannot write one of them (its
     characters encode to the unknown token), which could then never stop generation."""
     unknown = getattr(tokenizer, "unk_token_id", None)
@@ -171,12 +171,12 @@ _COMPILE = {"auto": "auto", "lean": "off", "compiled": "on"}
 class SpeculativeGenerator:
     """A target model, its tokenizer and (optionally) a DFlash drafter, ready to generate.
 
-    Methods (:data:`caddtree.checks.METHODS`): ``ar`` needs no drafter; ``dflash``, ``ddtree``
+    Methods (:data:`caddtree.util.checks.METHODS`): ``ar`` needs no drafter; ``dflash``, ``ddtree``
     (with ``budget``) and ``caddtree`` (with a cost model) need one. Output is lossless for every
     method: identical to plain greedy decoding at temperature 0, and distributed as the target's
     sampling at temperature > 0.
 
-    The target runs on ``runtime`` (:data:`caddtree.checks.RUNTIMES`): ``"auto"`` (the default)
+    The target runs on ``runtime`` (:data:`caddtree.util.checks.RUNTIMES`): ``"auto"`` (the default)
     picks caddtree's lean forward (:mod:`caddtree.models.lean`) on the CPU wherever it runs the
     model (Llama family, Qwen3), compiled by inductor where that wins
     (:mod:`caddtree.models.compiled`: bfloat16 with a C++ compiler), else transformers' own;
@@ -275,8 +275,8 @@ class SpeculativeGenerator:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from .models.attention import preferred_attention
+        from .models.checkpoints import check_model_location, checkpoint_errors
         from .models.dflash import DFLASH_ARCHITECTURE, DFlashDraftModel
-        from .models.target import check_model_location, checkpoint_errors
 
         check_int("context_window", context_window, minimum=2, allow_none=True)  # before loading
         check_runtime(runtime)
@@ -331,8 +331,8 @@ class SpeculativeGenerator:
 
     def profile(self, **kwargs: Any) -> CostModel:
         """Measure this target and drafter on this machine and fit a cost model; keyword arguments
-        go to :func:`caddtree.profiling.profile_cost_model` (grid, trials, progress)."""
-        from .profiling import profile_cost_model
+        go to :func:`caddtree.core.profiling.profile_cost_model` (grid, trials, progress)."""
+        from .core.profiling import profile_cost_model
 
         if self.proposer is None:
             raise InvalidInputError("profiling the drafting cost needs a drafter")
@@ -345,9 +345,9 @@ class SpeculativeGenerator:
 
     def _profile_duration(self, settings: dict[str, Any]) -> str:
         """How long :meth:`profile` with ``settings`` will take, said for a person (see
-        :func:`caddtree.profiling.estimate_profile_seconds`), with a hint when a half-precision
+        :func:`caddtree.core.profiling.estimate_profile_seconds`), with a hint when a half-precision
         dtype makes it slow on a CPU."""
-        from .profiling import describe_duration, estimate_profile_seconds
+        from .core.profiling import describe_duration, estimate_profile_seconds
 
         seconds = estimate_profile_seconds(self.verifier, self.proposer, **settings)
         text = f"{describe_duration(seconds)}, estimated"
@@ -366,7 +366,7 @@ class SpeculativeGenerator:
 
     def _default_profile_lengths(self) -> list[int]:
         """Context lengths for the automatic profile: up to 1024, within the model's window."""
-        from .profiling import max_profile_context_length
+        from .core.profiling import max_profile_context_length
 
         room = max_profile_context_length(self.verifier, self.proposer)
         room = 10**9 if room is None else room
@@ -384,7 +384,7 @@ class SpeculativeGenerator:
         import json
         from pathlib import Path
 
-        from .defaults import cache_root
+        from .util.defaults import cache_root
 
         ident = {
             # the target by its path (for the built-in one, a cache directory named by the
@@ -520,7 +520,7 @@ class SpeculativeGenerator:
         tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
         **settings: Any,
     ) -> GenerationResult:
-        """Generate a continuation of ``prompt``; see :func:`caddtree.decoding.decode`. The
+        """Generate a continuation of ``prompt``; see :func:`caddtree.engine.decoding.decode`. The
         ``settings`` are :meth:`request`'s: ``budget``, ``cost_model``, ``max_budget``,
         ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
         ``max_new_tokens`` (256), ``stop_token_ids``, ``stop``, ``stopping_criteria``, ``chat``,
@@ -529,10 +529,10 @@ class SpeculativeGenerator:
         Sampling follows transformers' ``generate``: ``temperature=0`` is greedy decoding, above
         0 samples after ``top_k`` (0 = off), ``top_p`` (1 = off) and ``min_p`` (0 = off);
         ``repetition_penalty`` (1 = off) applies either way (see
-        :class:`~caddtree.sampling.Sampler`). ``seed`` makes sampling reproducible.
+        :class:`~caddtree.core.sampling.Sampler`). ``seed`` makes sampling reproducible.
         ``stop_token_ids=None`` uses :meth:`default_stop_token_ids`; pass ``()`` to ignore EOS.
         ``stop`` (a string or a list of strings) ends generation after the token that completes
-        one of them (the token is kept; :class:`~caddtree.decoding.StopStrings`, which needs the
+        one of them (the token is kept; :class:`~caddtree.engine.decoding.StopStrings`, which needs the
         tokenizer); ``stopping_criteria`` adds other transformers-style criteria.
         ``chat_template_kwargs`` go to the chat template (see :meth:`encode`).
         """
@@ -572,9 +572,9 @@ class SpeculativeGenerator:
         chat_template_kwargs: dict[str, Any] | None = None,
         seed: int | None = None,
     ) -> GenerationRequest:
-        """The :class:`~caddtree.requests.GenerationRequest` of :meth:`generate`'s arguments
+        """The :class:`~caddtree.engine.requests.GenerationRequest` of :meth:`generate`'s arguments
         (the same meaning), every one checked here: what :meth:`generate` decodes, and what a
-        :class:`~caddtree.batching.BatchDecoder` takes."""
+        :class:`~caddtree.engine.batching.BatchDecoder` takes."""
         cost = self._cost_model(cost_model) or self.cost_model
         max_budget = check_tree_budgets(method, budget, max_budget, **self._block())
         policy = make_policy(
@@ -626,7 +626,7 @@ class SpeculativeGenerator:
     def decode(
         self, prompt_ids: Sequence[int], policy: TreePolicy, **kwargs: Any
     ) -> GenerationResult:
-        """:func:`caddtree.decoding.decode` of ``prompt_ids`` on this generator's target and
+        """:func:`caddtree.engine.decoding.decode` of ``prompt_ids`` on this generator's target and
         drafter (keyword arguments as there), without text; the KV caches are let go afterwards,
         whatever happens, since they grow with the output, and after a long generation on the CPU
         the heap memory it freed goes back to the system (see benchmarks/long_generation.py)."""

@@ -27,7 +27,7 @@ the stopping criteria (``max_new_tokens``, EOS, ``max_time``, your own) end the 
 ``generate`` would, the EOS token kept. With ``return_dict_in_generate=True`` the result is a
 :class:`CaddtreeGenerateOutput`: ``generate``'s ``sequences``, ``scores`` (``output_scores``) and
 ``logits`` (``output_logits``), plus the decoding statistics in ``caddtree``
-(:class:`~caddtree.decoding.GenerationStats`). Sampling draws from torch's global random number
+(:class:`~caddtree.engine.decoding.GenerationStats`). Sampling draws from torch's global random number
 generator, as ``generate`` does (``torch.manual_seed`` makes it reproducible).
 
 Not supported, each refused with a clear error rather than ignored: a batch of several prompts
@@ -57,12 +57,12 @@ from transformers import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .api import SpeculativeGenerator, stop_string_criterion
-from .checks import DEFAULT_DDTREE_BUDGET, check_method, check_stop, check_tree_budgets
-from .cost import CostModel
-from .decoding import GenerationStats, make_policy
-from .errors import InvalidInputError
+from .core.cost import CostModel
+from .core.sampling import Sampler
+from .engine.decoding import GenerationStats, make_policy
 from .models.target import CACHE_ARGUMENTS
-from .sampling import Sampler
+from .util.checks import DEFAULT_DDTREE_BUDGET, check_method, check_stop, check_tree_budgets
+from .util.errors import InvalidInputError
 
 __all__ = ["DEFAULT_DDTREE_BUDGET", "CaddtreeGenerateOutput", "generate"]
 
@@ -76,7 +76,7 @@ _PREPARED_KWARGS = frozenset(
 @dataclass
 class CaddtreeGenerateOutput(GenerateDecoderOnlyOutput):
     """``generate``'s output (``sequences``, and ``scores`` / ``logits`` when asked for) plus
-    ``caddtree``: the statistics of the generation (:class:`~caddtree.decoding.GenerationStats`:
+    ``caddtree``: the statistics of the generation (:class:`~caddtree.engine.decoding.GenerationStats`:
     ``tau``, ``stop_reason``, timings, per-round details)."""
 
     caddtree: GenerationStats | None = None
@@ -255,7 +255,7 @@ def generate(
     ``stopping_criteria`` and ``generation_config`` are what ``generate`` prepared (called
     directly, ``generation_config`` defaults to the model's). ``method`` is one of ``ar``,
     ``dflash``, ``ddtree`` (``budget`` nodes, default :data:`DEFAULT_DDTREE_BUDGET`) and
-    ``caddtree`` (``cost_model``: a :class:`~caddtree.cost.CostModel` or a file; ``None`` takes
+    ``caddtree`` (``cost_model``: a :class:`~caddtree.core.cost.CostModel` or a file; ``None`` takes
     :meth:`SpeculativeGenerator.cached_cost_model`, profiled once per machine; trees of at most
     ``max_budget`` nodes). Every method but ``ar`` needs the DFlash drafter, given to ``generate``
     as ``assistant_model=`` or here as ``drafter=``. ``streamer`` receives the new tokens after

@@ -21,7 +21,7 @@ reverse.
 
 from __future__ import annotations
 
-from ..lazy import lazy_exports
+from ..util.lazy import lazy_exports
 
 _EXPORTS = {
     "ABLATIONS": "results",

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checks import check_int
-from ..errors import InvalidInputError
-from ..loading import add_runtime_arguments
+from ..arguments import add_runtime_arguments
+from ..util.checks import check_int
+from ..util.errors import InvalidInputError
 from .methods import DEFAULT_BUDGETS, DEFAULT_METHODS, default_ar_dtypes, parse_methods
 from .runner import BenchConfig, barrier, generator_dtype, init_distributed, run_bench
 
@@ -93,8 +93,8 @@ def cli_main(args: Any) -> int:
 
     from .. import __version__
     from ..api import SpeculativeGenerator
-    from ..cost import load_cost_model
-    from ..devices import machine_description, resolve_dtype
+    from ..core.cost import load_cost_model
+    from ..util.devices import machine_description, resolve_dtype
     from .datasets import load_benchmark, load_prompt_file
     from .tables import summary_table
 
@@ -130,7 +130,7 @@ def cli_main(args: Any) -> int:
 
     info = init_distributed(args.device)
     device = info.device if info.distributed else args.device
-    from ..defaults import resolve_model_pair
+    from ..util.defaults import resolve_model_pair
 
     args.target, args.draft, args.dtype = resolve_model_pair(args.target, args.draft, args.dtype)
     needs_draft = any(s.family != "ar" for s in specs)

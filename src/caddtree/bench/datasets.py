@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checks import check_int
-from ..defaults import locate_package
-from ..errors import CaddtreeError, InvalidInputError, MissingDependencyError
+from ..util.checks import check_int
+from ..util.defaults import locate_package
+from ..util.errors import CaddtreeError, InvalidInputError, MissingDependencyError
 
 __all__ = [
     "BENCHMARKS",

@@ -1,8 +1,8 @@
 """The paper's figures from :func:`caddtree.bench.summary.aggregate` and the draft trees of
 ``results.trees.jsonl``, drawn with matplotlib (the optional ``plot`` extra; see
-:mod:`caddtree.plots`): Fig. 1 (acceptance by drafter confidence), Fig. 2 (time and tau against the
+:mod:`caddtree.util.plots`): Fig. 1 (acceptance by drafter confidence), Fig. 2 (time and tau against the
 DDTree budget), Fig. 5 (CaDDTree's per-round budgets) and Fig. 6 (draft trees). Fig. 4 (the cost
-model) is :func:`caddtree.profiling.plot_cost_model`.
+model) is :func:`caddtree.core.profiling.plot_cost_model`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..plots import pyplot, save_figure
+from ..util.plots import pyplot, save_figure
 from .results import dataset_name
 from .summary import Aggregates, ConfidenceAnalysis, ar_title, temperature_label
 

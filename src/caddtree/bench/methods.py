@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..util.errors import InvalidInputError
 from .results import ABLATIONS, AR_DTYPES
 
 __all__ = [
@@ -100,14 +100,14 @@ def default_ar_dtypes(dtype: str, device_type: str) -> list[str]:
     """The dtypes of the plain-decoding baselines that the default ``--methods`` adds next to
     ``ar`` for a run in ``dtype`` (a canonical name, e.g. ``"bfloat16"``) on ``device_type``:
     the rule of :func:`caddtree.api.ar_baseline_dtypes`, which ``generate --compare-ar`` uses."""
-    from ..devices import ar_baseline_dtypes, dtype_name
+    from ..util.devices import ar_baseline_dtypes, dtype_name
 
     return [dtype_name(d) for d in ar_baseline_dtypes(dtype, device_type)[1:]]
 
 
 def variant_cost_model(cost_model: Any, variant: str | None) -> Any:
     """The cost model a CaDDTree variant decodes with."""
-    from ..cost import ConstantCostModel
+    from ..core.cost import ConstantCostModel
 
     if variant is None:
         return cost_model

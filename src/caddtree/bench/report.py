@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CaddtreeError, MissingDependencyError
-from ..files import atomic_write_text
-from ..plots import pyplot
+from ..util.errors import CaddtreeError, MissingDependencyError
+from ..util.files import atomic_write_text
+from ..util.plots import pyplot
 from .figures import plot_budget_histograms, plot_confidence, plot_time_vs_budget, plot_trees
 from .results import (
     dataset_key,
@@ -108,7 +108,7 @@ def _figures(
     else:
         notes.append(f"Fig. 6 skipped: no draft-trees file {trees_path.name} next to the results.")
     if cost_model is not None:
-        from ..profiling import plot_cost_model
+        from ..core.profiling import plot_cost_model
 
         try:
             drawn = Path(plot_cost_model(cost_model, out / "fig4_cost_model.png"))
@@ -152,7 +152,7 @@ def build_report(
     records, notes = load_results_with_notes(results_path)
     model = None
     if cost_model is not None:
-        from ..cost import load_cost_model
+        from ..core.cost import load_cost_model
 
         model = load_cost_model(cost_model)
     meta_path = side_file(results_path, "meta")
@@ -220,10 +220,10 @@ def write_report(
     (the same tables in booktabs LaTeX) and the figures' PNGs into ``out_dir``; return the paths.
 
     ``cost_model`` is an optional cost-model file to draw Fig. 4 from (with
-    :func:`caddtree.profiling.plot_cost_model`). Side files that are missing
+    :func:`caddtree.core.profiling.plot_cost_model`). Side files that are missing
     (``results.meta.json``, ``results.trees.jsonl``), figures the data cannot support and a missing
     matplotlib are skipped with a note in the report, never an error. Bad input (the results, a
-    side file, the cost model) raises a :class:`~caddtree.errors.CaddtreeError`; the results and
+    side file, the cost model) raises a :class:`~caddtree.util.errors.CaddtreeError`; the results and
     the cost model are checked before anything is written.
     """
     return build_report(results_path, out_dir, cost_model).files

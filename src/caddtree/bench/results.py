@@ -35,9 +35,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checks import is_int, is_number
-from ..errors import InvalidInputError
-from ..files import atomic_write_text
+from ..util.checks import is_int, is_number
+from ..util.errors import InvalidInputError
+from ..util.files import atomic_write_text
 
 __all__ = [
     "ABLATIONS",
@@ -471,7 +471,7 @@ def load_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     (a resumed run re-measures a prompt), so the last one wins. A cut-off last line (a benchmark
     interrupted, or still running) is skipped.
 
-    Raises :class:`~caddtree.errors.InvalidInputError` naming the file, the line and the problem
+    Raises :class:`~caddtree.util.errors.InvalidInputError` naming the file, the line and the problem
     when the file is missing or empty, a line is not JSON, or a record lacks a required key
     (:data:`REQUIRED_KEYS`) or has a malformed value.
     """
@@ -507,7 +507,7 @@ def make_tree_record(
     text: Any,
 ) -> dict[str, Any]:
     """The record of one draft tree: round ``round_index``'s ``tree`` (a
-    :class:`caddtree.tree.DraftTree`), its round statistics ``stats``, the round's ``bonus``
+    :class:`caddtree.core.tree.DraftTree`), its round statistics ``stats``, the round's ``bonus``
     token (the tree's root) and ``text``, which decodes one token id."""
     return {
         "dataset": dataset,

@@ -5,7 +5,7 @@ so machine noise hits all methods alike, in the listed order on even items and i
 ones, so that no method always runs first (or straight after another); every method is warmed up
 on a short untimed run before anything is timed. A record is written once the item's AR run is
 done, so each record can say whether its output is identical to AR's. Rounds are timed by phase
-with the device synchronised (:class:`caddtree.decoding.RoundStats`). Results are JSON lines, one
+with the device synchronised (:class:`caddtree.engine.decoding.RoundStats`). Results are JSON lines, one
 record per (dataset, prompt, method, temperature), written and flushed as they are made. Next to
 ``results.jsonl`` the runner writes ``results.meta.json`` (the settings and the machine) and
 ``results.trees.jsonl`` (two CaDDTree draft trees per dataset, for the report's Figure 6). The
@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..checks import check_int
-from ..errors import InvalidInputError
-from ..files import atomic_write_text
+from ..util.checks import check_int
+from ..util.errors import InvalidInputError
+from ..util.files import atomic_write_text
 from .methods import MethodSpec, variant_cost_model
 from .results import (
     RUN_KEYS,
@@ -269,7 +269,7 @@ def _run_prompt(
 
 def generator_dtype(gen: Any) -> str:
     """The canonical name of the dtype ``gen``'s target runs in (``"bfloat16"``)."""
-    from ..devices import dtype_name
+    from ..util.devices import dtype_name
 
     return dtype_name(gen.verifier.dtype)
 

@@ -1,6 +1,6 @@
 """The ``caddtree`` command line.
 
-Every sub-command turns a :class:`~caddtree.errors.CaddtreeError` into a one-line message on
+Every sub-command turns a :class:`~caddtree.util.errors.CaddtreeError` into a one-line message on
 stderr and exit status 2, never a traceback.
 
 One module per sub-command group, each with ``register(sub)`` (its parser, options and handler):
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from ..logs import run_command
+from ..util.logs import run_command
 from . import bench, generate, profile, serve, train, tree_demo
 
 Handler = Callable[[argparse.Namespace], int]
@@ -39,7 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command. Everything heavy (torch, transformers) is imported in here, after
     ``caddtree.cli`` itself has loaded, so a Ctrl-C during start-up ends as any other one does:
-    "caddtree: interrupted" and exit status 130, no traceback (:func:`caddtree.logs.run_command`).
+    "caddtree: interrupted" and exit status 130, no traceback (:func:`caddtree.util.logs.run_command`).
     """
 
     def command() -> int:

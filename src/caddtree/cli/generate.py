@@ -7,7 +7,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..checks import (
+from ..arguments import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
+from ..util.checks import (
     DEFAULT_DDTREE_BUDGET,
     check_chat_template_kwargs,
     check_int,
@@ -16,8 +17,7 @@ from ..checks import (
     check_text,
     check_tree_budgets,
 )
-from ..errors import InvalidInputError
-from ..loading import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
+from ..util.errors import InvalidInputError
 
 
 def _chat_template_kwargs(text: str | None) -> dict | None:
@@ -58,7 +58,7 @@ def _checked_settings(args: argparse.Namespace) -> tuple[int, Any, dict | None]:
     of timed repeats, the AR dtypes to compare with and the chat-template keyword arguments."""
     import torch
 
-    from ..devices import ar_baseline_dtypes
+    from ..util.devices import ar_baseline_dtypes
 
     check_pair_arguments(args)
     if args.budget is not None and args.method != "ddtree":
@@ -102,7 +102,7 @@ def _ar_generators(gen: Any, args: argparse.Namespace, ar_dtypes: Any) -> list:
     target for a bfloat16/float16 run on the CPU), so that the speed-up is over the fastest AR a
     user could pick, not over a slow baseline."""
     from ..api import SpeculativeGenerator
-    from ..devices import ar_baseline_dtypes
+    from ..util.devices import ar_baseline_dtypes
 
     if not args.compare_ar or args.method == "ar":
         return []
@@ -126,7 +126,7 @@ def _ar_generators(gen: Any, args: argparse.Namespace, ar_dtypes: Any) -> list:
 def generate(args: argparse.Namespace) -> int:
     """Generate a continuation of PROMPT with one decoding method and print text and statistics."""
     from ..bench.compare import compare_with_ar
-    from ..streaming import IncrementalDecoder
+    from ..util.streaming import IncrementalDecoder
 
     repeats, ar_dtypes, template_kwargs = _checked_settings(args)
     gen = load_pair_of(args, with_drafter=args.method != "ar" or args.compare_ar)
@@ -187,7 +187,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def _divergence(gen: Any, compared: Any, args: argparse.Namespace) -> Any:
     """Greedy: the outputs should be identical; if not, why (after the timed runs)."""
-    from ..divergence import explain_divergence
+    from ..bench.divergence import explain_divergence
 
     result, baseline = compared.result, compared.baseline
     if baseline is None or args.temperature != 0:
@@ -203,7 +203,7 @@ def _divergence(gen: Any, compared: Any, args: argparse.Namespace) -> Any:
 
 
 def _ar_key(compared: Any, i: int) -> str:
-    from ..devices import dtype_name
+    from ..util.devices import dtype_name
 
     return "ar" if i == 0 else f"ar_{dtype_name(compared.ar_runs[i][0])}"
 
@@ -211,7 +211,7 @@ def _ar_key(compared: Any, i: int) -> str:
 def _json_output(gen: Any, compared: Any, divergence: Any, args: argparse.Namespace) -> str:
     import json
 
-    from ..devices import dtype_name
+    from ..util.devices import dtype_name
 
     result, baseline = compared.result, compared.baseline
     out = result.to_dict(per_round=args.per_round)
@@ -237,7 +237,7 @@ def _json_output(gen: Any, compared: Any, divergence: Any, args: argparse.Namesp
 def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Namespace) -> None:
     """Each run's statistics, and with AR the timings, the speed-up and the lossless check, on
     stderr."""
-    from ..devices import dtype_name
+    from ..util.devices import dtype_name
 
     result, ar_runs, fastest = compared.result, compared.ar_runs, compared.fastest
     rows = [(result, gen.verifier.dtype, "")]
@@ -278,7 +278,7 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
 
 
 def _print_speedup(compared: Any, args: argparse.Namespace) -> None:
-    from ..devices import dtype_name
+    from ..util.devices import dtype_name
 
     result, ar_runs, fastest = compared.result, compared.ar_runs, compared.fastest
     same = (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checks import MAX_TREE_NODES, check_int
-from ..errors import InvalidInputError
-from ..loading import add_pair_arguments, load_pair
+from ..arguments import add_pair_arguments, load_pair
+from ..util.checks import MAX_TREE_NODES, check_int
+from ..util.errors import InvalidInputError
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -18,8 +18,8 @@ def profile(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .. import profiling
-    from ..devices import dtype_name, machine_description, resolve_dtype
+    from ..core import profiling
+    from ..util.devices import dtype_name, machine_description, resolve_dtype
 
     quick = args.quick
     lengths = args.context_lengths
@@ -37,7 +37,7 @@ def profile(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise InvalidInputError(f"--out {out} is a directory; give a file name such as cost.json")
     if args.plot is not None:
-        from ..plots import pyplot
+        from ..util.plots import pyplot
 
         if Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
             raise InvalidInputError(f"--plot {args.plot}: use a .png, .pdf or .svg file name")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checks import check_int
-from ..errors import InvalidInputError
-from ..loading import add_target_argument
+from ..arguments import add_target_argument
+from ..util.checks import check_int
+from ..util.errors import InvalidInputError
 
 
 def train_drafter(args: argparse.Namespace) -> int:
@@ -22,10 +22,10 @@ def train_drafter(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..api import eos_token_ids
-    from ..devices import resolve_device, resolve_dtype
     from ..models.packing import pack_linear_layers
     from ..train import TrainConfig, prepare_data, train_drafter
     from ..train import prompts as prompt_data
+    from ..util.devices import resolve_device, resolve_dtype
 
     check_int("--stop-after", args.stop_after, allow_none=True)
     check_int("--max-prompts", args.max_prompts, allow_none=True)
@@ -64,7 +64,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     config.validate()
     target_dir = args.target
     if target_dir is None:
-        from ..defaults import default_target_dir
+        from ..util.defaults import default_target_dir
 
         target_dir = default_target_dir()
     device = resolve_device(args.device)
@@ -161,7 +161,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     )
     # the held-out samples' prompts, e.g. for `caddtree bench --prompts` to compare drafters on
     # prompts no training step saw
-    from ..files import atomic_write_text
+    from ..util.files import atomic_write_text
 
     heldout = [prompt_set.prompts[i] for i in split_samples(data, config, out / "split.json")[1]]
     atomic_write_text(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import InvalidInputError
+from ..util.errors import InvalidInputError
 
 # `tree-demo` bounds: a block of B positions over V tokens is a [B-1, V] float64 array per round.
 DEMO_MAX_BLOCK_SIZE = 64
@@ -16,8 +16,8 @@ def tree_demo(args: argparse.Namespace) -> int:
     """Build chain, DDTree and CaDDTree trees from synthetic drafter marginals and compare them."""
     import numpy as np
 
-    from ..cost import ConvexCostModel
-    from ..tree import build_caddtree, build_chain, build_ddtree, topk_log_probs
+    from ..core.cost import ConvexCostModel
+    from ..core.tree import build_caddtree, build_chain, build_ddtree, topk_log_probs
 
     B, V = args.block_size, args.vocab
     if not 2 <= B <= DEMO_MAX_BLOCK_SIZE:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from ..checks import check_int
-from ..errors import InvalidInputError
+from ..util.checks import check_int
+from ..util.errors import InvalidInputError
 from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
 from .proposer import PROJECTION_STEPS, DraftLogits
 

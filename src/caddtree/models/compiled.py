@@ -24,7 +24,7 @@ AOTAutograd) keep the compiled code between processes: the first run on a machin
 about a minute on two cores, and later runs load the code in seconds. Inductor lowers oneDNN's
 packed linear only for frozen weights; :func:`_lower_unfrozen_packed_linear` makes it call the
 same kernel for weights given as inputs. The cache is ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
-``<caddtree cache>/inductor`` (:func:`caddtree.defaults.cache_root`).
+``<caddtree cache>/inductor`` (:func:`caddtree.util.defaults.cache_root`).
 
 **Where it runs.** ``runtime="auto"`` picks it on the CPU for bfloat16 targets whose linear
 layers are packed, where a C++ compiler is present (inductor needs one); float32 compiled lost or
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..defaults import cache_root
+from ..util.defaults import cache_root
 from .layers import LayerWeights, Shape, decoder_layer, rms_norm
 
 __all__ = ["CompiledLayers", "compile_progress", "compile_unsupported"]

@@ -63,9 +63,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from ..checks import is_int
-from ..errors import CheckpointError, InvalidInputError
-from .target import check_model_location, checkpoint_errors
+from ..util.checks import is_int
+from ..util.errors import CheckpointError, InvalidInputError
+from .checkpoints import check_model_location, checkpoint_errors
 
 __all__ = [
     "DFLASH_ARCHITECTURE",
@@ -479,9 +479,9 @@ class DFlashDraftModel(PreTrainedModel):
         """``PreTrainedModel.from_pretrained`` that refuses incomplete or mis-shaped checkpoints.
 
         Raises :class:`CheckpointError` when the checkpoint cannot be read (a missing directory is
-        refused before any hub request, see :func:`~caddtree.models.target.check_model_location`;
+        refused before any hub request, see :func:`~caddtree.models.checkpoints.check_model_location`;
         a truncated weights file or a malformed config.json gets one line, see
-        :func:`~caddtree.models.target.checkpoint_errors`), when ``config.json`` lacks a DFlash
+        :func:`~caddtree.models.checkpoints.checkpoint_errors`), when ``config.json`` lacks a DFlash
         field, or when a weight is missing (the message names it) or has the wrong shape (unless
         ``ignore_mismatched_sizes=True``). Extra weights are ignored, as usual.
         """

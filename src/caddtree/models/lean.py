@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import InvalidInputError
-from ..tree import DraftTree
+from ..core.tree import DraftTree
+from ..util.errors import InvalidInputError
 from .layers import LayerWeights, Shape, decoder_layer, fused_linear, packed_layers_fit, rms_norm
 from .target import TreeVerifier
 

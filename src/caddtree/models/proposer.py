@@ -1,7 +1,7 @@
 """The proposer side of the DFlash drafter: one drafter pass per decoding round, and its logits.
 
 :class:`DFlashProposer` is the proposer of docs/design.md's round (the
-:class:`~caddtree.decoding.Proposer` protocol): it keeps the drafter's KV cache of context features
+:class:`~caddtree.engine.decoding.Proposer` protocol): it keeps the drafter's KV cache of context features
 and returns the draft logits of the block after the bonus token. :class:`DraftLogits` holds them
 lazily: a position is projected through the output head (the target's lm_head, or the rows of a
 draft vocabulary: :func:`~caddtree.models.dflash.draft_lm_head`) only when a tree reaches it.
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..checks import is_int
-from ..errors import CheckpointError, InvalidInputError
+from ..util.checks import is_int
+from ..util.errors import CheckpointError, InvalidInputError
 from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
 from .target import compact_cache
 
@@ -36,7 +36,7 @@ class DraftLogits:
 
     Holds the final hidden states of one drafter pass over the ``L`` drafted positions, ``[L, H]``,
     and the output ``head`` (the target's lm_head, or the draft-vocabulary head of
-    :func:`draft_lm_head`). It is a :class:`caddtree.tree.DraftRows`: the tree builders call
+    :func:`draft_lm_head`). It is a :class:`caddtree.core.tree.DraftRows`: the tree builders call
     :meth:`row` when the expansion first reaches a depth, so positions the tree never reaches are
     never projected; :meth:`rows` projects the whole block at once (the chain, which reads every
     position, and :meth:`DFlashProposer.propose`).

@@ -1,7 +1,7 @@
 """``caddtree serve``: an OpenAI-compatible HTTP server for speculative decoding (optional extra).
 
 Install it with ``pip install 'caddtree[serve]'`` (FastAPI and uvicorn); importing this package
-without them raises :class:`~caddtree.errors.MissingDependencyError`.
+without them raises :class:`~caddtree.util.errors.MissingDependencyError`.
 
 * :func:`main` (``argv`` -> exit status) and :func:`add_arguments` (the options): the command;
 * :func:`build_app`: the FastAPI app around a loaded :class:`~caddtree.api.SpeculativeGenerator`;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..errors import MissingDependencyError
+from ..util.errors import MissingDependencyError
 
 _missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
 if _missing:

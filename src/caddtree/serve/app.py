@@ -8,7 +8,7 @@ without queueing), then queued for the single generation worker (:mod:`caddtree.
 handler waits for the job's first event (the prefill) before answering, so an error that
 ``generate`` raises still becomes a proper HTTP error, even for a streaming request; a client
 that goes away meanwhile cancels its job. Errors are OpenAI's ``{"error": {...}}`` bodies: 400 for
-a bad request (``caddtree.errors.CaddtreeError`` from ``generate`` included), 404 for an unknown
+a bad request (``caddtree.util.errors.CaddtreeError`` from ``generate`` included), 404 for an unknown
 model, 503 with ``Retry-After`` when the queue is full, 500 for anything unexpected; the server
 stays up.
 """
@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..checks import DEFAULT_DDTREE_BUDGET
-from ..errors import CaddtreeError, InvalidInputError
+from ..util.checks import DEFAULT_DDTREE_BUDGET
+from ..util.errors import CaddtreeError, InvalidInputError
 from .engine import Engine, Job, QueueFull, ShuttingDown, finish_reason
 from .metrics import ServerMetrics
 from .protocol import (
@@ -90,7 +90,7 @@ def build_app(
     :class:`~caddtree.api.SpeculativeGenerator` with a tokenizer) under the name ``model_name``.
 
     Defaults for requests that leave a field out: ``method``; ``budget``, ddtree's node budget
-    (:data:`~caddtree.checks.DEFAULT_DDTREE_BUDGET` when ``None``); ``max_budget``, caddtree's
+    (:data:`~caddtree.util.checks.DEFAULT_DDTREE_BUDGET` when ``None``); ``max_budget``, caddtree's
     largest tree; ``max_new_tokens`` (``max_tokens``, lowered to what the model's context has room
     for); ``temperature`` (OpenAI's default is 1).
     A caddtree request uses ``generator.cost_model`` unless it names a cost-model file: a file
@@ -278,7 +278,7 @@ class _Service:
     # ---- turning a request into a job ---------------------------------------------------------------
 
     def cost_model_file(self, name: str) -> Any:
-        from ..cost import load_cost_model
+        from ..core.cost import load_cost_model
 
         allowed = self.allowed_dir
         if allowed is None:

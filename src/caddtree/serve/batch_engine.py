@@ -1,4 +1,4 @@
-"""Several generations at once: the server's worker on :class:`~caddtree.batching.BatchDecoder`.
+"""Several generations at once: the server's worker on :class:`~caddtree.engine.batching.BatchDecoder`.
 
 :class:`BatchEngine` has :class:`~caddtree.serve.engine.Engine`'s contract (the same jobs, events,
 queue bound, cancellation and metrics) but keeps up to ``max_batch`` jobs generating together: a
@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..batching import BatchDecoder
-from ..errors import CaddtreeError, InvalidInputError
-from ..requests import GenerationRequest
-from ..streaming import IncrementalDecoder
+from ..engine.batching import BatchDecoder
+from ..engine.requests import GenerationRequest
+from ..util.errors import CaddtreeError, InvalidInputError
+from ..util.streaming import IncrementalDecoder
 from .engine import Engine, Job
 from .metrics import ServerMetrics
 
@@ -44,7 +44,7 @@ class BatchEngine(Engine):
     more may wait for a slot, one more is refused (:class:`~caddtree.serve.engine.QueueFull`).
     ``joint_budget``: rounds whose requests are all CaDDTree ones size their trees with one joint
     budget from the generator's cost model (``joint_cost_model`` of
-    :class:`~caddtree.batching.BatchDecoder`)."""
+    :class:`~caddtree.engine.batching.BatchDecoder`)."""
 
     def __init__(
         self,

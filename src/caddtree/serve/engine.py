@@ -10,7 +10,7 @@ hands it events with ``loop.call_soon_threadsafe``:
 
 * ``("start", None)`` once the prompt is prefilled and the first token chosen;
 * ``("text", str)`` the new text of a round (streaming jobs only; decoded with
-  :class:`~caddtree.streaming.IncrementalDecoder`, so no character is split);
+  :class:`~caddtree.util.streaming.IncrementalDecoder`, so no character is split);
 * then exactly one of ``("done", GenerationResult)``, ``("error", exception)`` or
   ``("cancelled", None)``.
 
@@ -33,7 +33,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..streaming import IncrementalDecoder
+from ..util.streaming import IncrementalDecoder
 from .metrics import ServerMetrics
 
 __all__ = ["Engine", "Job", "QueueFull", "finish_reason"]
@@ -54,7 +54,7 @@ class ShuttingDown(Exception):
 
 
 def finish_reason(stop_reason: str) -> str:
-    """OpenAI's ``finish_reason`` for a :class:`~caddtree.decoding.GenerationStats` ``stop_reason``:
+    """OpenAI's ``finish_reason`` for a :class:`~caddtree.engine.decoding.GenerationStats` ``stop_reason``:
     ``length`` when ``max_new_tokens`` ended it, ``stop`` for a stop token or string."""
     return "length" if stop_reason == "max_new_tokens" else "stop"
 
@@ -290,7 +290,7 @@ class Engine:
             self._finish_cancelled(job)
             return
         except Exception as exc:  # noqa: BLE001 - reported to the request, the server goes on
-            from ..errors import CaddtreeError
+            from ..util.errors import CaddtreeError
 
             if not isinstance(exc, CaddtreeError):
                 logger.exception("generation failed")

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..checks import METHODS
+from ..util.checks import METHODS
 
 __all__ = ["PREFIX", "FINISH_REASONS", "Histogram", "ServerMetrics"]
 
@@ -145,7 +145,7 @@ class ServerMetrics:
                 self.itl.observe(gap_s)
 
     def round_done(self, method: str, stats: Any) -> None:
-        """One verification round (a :class:`~caddtree.decoding.RoundStats`) of ``method``."""
+        """One verification round (a :class:`~caddtree.engine.decoding.RoundStats`) of ``method``."""
         with self._lock:
             counts = self.methods.setdefault(method, _MethodCounts(self.positions))
             counts.rounds += 1

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import check_method, is_int, is_number, stop_limit_problem
-from ..errors import InvalidInputError
+from ..util.checks import check_method, is_int, is_number, stop_limit_problem
+from ..util.errors import InvalidInputError
 
 DEFAULT_MAX_REQUEST_BYTES = 2**21
 """The largest request body ``caddtree serve`` reads by default (2 MiB: a prompt that fills the
@@ -95,7 +95,7 @@ def finite(value: Any) -> Any:
 
 @dataclass
 class OpenAIRequest:
-    """A checked OpenAI request body (what the client asked; :class:`caddtree.batching.
+    """A checked OpenAI request body (what the client asked; :class:`caddtree.engine.batching.
     GenerationRequest` is what is decoded). ``prompt`` is a list of chat messages (chat), or a string or token ids
     (completion). Sampling fields are ``None`` where the request left them out."""
 

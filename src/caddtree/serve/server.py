@@ -2,7 +2,7 @@
 
 :func:`add_arguments` declares the options on an ``argparse`` parser, :func:`main` parses them and
 runs the server until Ctrl-C (or SIGTERM). Loading is the ``caddtree generate`` command's
-(:func:`caddtree.loading.load_pair`): the built-in pair without ``--target``/``--draft``, then,
+(:func:`caddtree.arguments.load_pair`): the built-in pair without ``--target``/``--draft``, then,
 for ``--method caddtree`` without ``--cost-model``, the cost model profiled once for this machine
 and cached.
 """
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..checks import check_int
-from ..errors import CaddtreeError, InvalidInputError
-from ..loading import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
-from ..logs import run_command, stop_on_interrupt
+from ..arguments import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
+from ..util.checks import check_int
+from ..util.errors import CaddtreeError, InvalidInputError
+from ..util.logs import run_command, stop_on_interrupt
 from .protocol import DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["add_arguments", "load_generator", "main"]
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _check_arguments(args: argparse.Namespace) -> None:
     """Everything that needs no model, before the slow loading."""
-    from ..checks import check_tree_budgets
+    from ..util.checks import check_tree_budgets
 
     check_pair_arguments(args)
     if args.budget is not None:
@@ -156,9 +156,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def load_generator(args: argparse.Namespace) -> tuple[Any, str]:
     """Load the models ``args`` name as ``caddtree generate`` does
-    (:func:`caddtree.loading.load_pair`) and, for ``--method caddtree``, obtain the cost model
+    (:func:`caddtree.arguments.load_pair`) and, for ``--method caddtree``, obtain the cost model
     once. Returns the generator and the name to serve it under."""
-    from ..defaults import DEFAULT_TARGET_NAME
+    from ..util.defaults import DEFAULT_TARGET_NAME
 
     name = args.served_model_name or (
         DEFAULT_TARGET_NAME if args.target is None else str(args.target)

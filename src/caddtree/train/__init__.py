@@ -19,7 +19,7 @@ import torch.
 
 from __future__ import annotations
 
-from ..lazy import lazy_exports
+from ..util.lazy import lazy_exports
 
 _EXPORTS = {
     "TrainingData": "data",

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import InvalidInputError
-from ..files import atomic_write, atomic_write_text
+from ..util.errors import InvalidInputError
+from ..util.files import atomic_write, atomic_write_text
 
 __all__ = [
     "TrainingData",
@@ -143,7 +143,7 @@ def target_fingerprint(target: Any) -> dict[str, str]:
     """What identifies the model behind cached responses and features: a digest of its weights
     (shapes and a sample of values, so another model that shares the tokenizer differs) and its
     dtype (greedy responses and hidden states change with the dtype)."""
-    from ..devices import dtype_name, weights_digest
+    from ..util.devices import dtype_name, weights_digest
 
     dtype = target.get_input_embeddings().weight.dtype
     return {"target": weights_digest(target), "dtype": dtype_name(dtype)}

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..files import atomic_write
 from ..models.target import extract_context_features
+from ..util.files import atomic_write
 from .data import TrainingData, target_fingerprint
 
 __all__ = ["cached_features", "compute_features", "load_features"]

@@ -209,7 +209,7 @@ class AnchorBlockLoss:
         bonus token, and the next anchor is the last token committed. As decoding does, it spends
         more rounds where acceptance is low (blocks placed uniformly at random do not). A token
         outside the draft vocabulary ends a path."""
-        from ..tree import build_chain, build_ddtree
+        from ..core.tree import build_chain, build_ddtree
 
         tokens = self.data.sequences[sample_id]
         P, T = self.data.prompt_lengths[sample_id], int(tokens.shape[0])

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidInputError
-from ..files import atomic_write_text
+from ..util.errors import InvalidInputError
+from ..util.files import atomic_write_text
 
 __all__ = [
     "PERSONAS",

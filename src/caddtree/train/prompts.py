@@ -31,8 +31,8 @@ from ..bench.datasets import (
     load_benchmark,
     wheel_files,
 )
-from ..checks import check_int, is_int
-from ..errors import InvalidInputError
+from ..util.checks import check_int, is_int
+from ..util.errors import InvalidInputError
 
 __all__ = [
     "OverlapIndex",

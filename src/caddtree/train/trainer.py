@@ -32,13 +32,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import CheckpointError, InvalidInputError
-from ..files import atomic_write_text, recover_directory, replace_directory
 from ..models.dflash import (
     DFlashDraftModel,
     check_drafter_fits_target,
     default_target_layer_ids,
 )
+from ..util.errors import CheckpointError, InvalidInputError
+from ..util.files import atomic_write_text, recover_directory, replace_directory
 from .data import TrainingData, choose_draft_vocab, split_samples
 from .features import cached_features
 from .loss import AnchorBlockLoss, evaluate

@@ -9,7 +9,7 @@ Symbols:
 :class:`ConvexCostModel` stores, for each profiled context length ``L_j``, a piecewise-linear curve
 ``C_v(.; L_j)`` through knots at the profiled node counts. The curves come from the convex,
 non-decreasing least-squares fit of Eq. convex-reg, solved as a sparse QP with Clarabel
-(:mod:`caddtree.cost_fit`).
+(:mod:`caddtree.core.cost_fit`).
 
 Evaluation rules (documented and tested):
 
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from ..util.errors import CostModelError
 from .cost_fit import FitQuality, fit_quality_of, fit_sorted, validate_points
-from .errors import CostModelError
 
 __all__ = [
     "FORMAT_NAME",
@@ -215,7 +215,7 @@ class CostModel(ABC):
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the model as versioned JSON, atomically (a crash never leaves half a file)."""
-        from .files import atomic_write_text
+        from ..util.files import atomic_write_text
 
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
@@ -473,7 +473,7 @@ def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
     paper's code (a dict with ``type``, ``context_lengths``, ``node_counts``, ``fitted_curves``,
     ``draft_cost``; read with ``torch.load(weights_only=True)``, never full unpickling).
 
-    Raises :class:`~caddtree.errors.CostModelError` with a message naming the problem when the
+    Raises :class:`~caddtree.util.errors.CostModelError` with a message naming the problem when the
     file is missing, does not parse, or holds inconsistent data.
     """
     path = Path(path)

@@ -2,7 +2,7 @@
 
 :func:`fit_convex_nondecreasing` fits values at the profiled node counts that are convex and
 non-decreasing in ``n``, as a sparse QP solved with Clarabel; :class:`FitQuality` says how well the
-fit matches the measurements. :class:`~caddtree.cost.ConvexCostModel.fit` runs it once per profiled
+fit matches the measurements. :class:`~caddtree.core.cost.ConvexCostModel.fit` runs it once per profiled
 context length.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CostModelError
+from ..util.errors import CostModelError
 
 __all__ = [
     "FitQuality",
@@ -39,7 +39,7 @@ def validate_points(
     context_length: Any, node_counts: Any, latencies: Any
 ) -> tuple[np.ndarray, np.ndarray]:
     """The measurements of one context length as float64 arrays sorted by node count, or a
-    :class:`~caddtree.errors.CostModelError` naming what is wrong with them."""
+    :class:`~caddtree.util.errors.CostModelError` naming what is wrong with them."""
     where = f"context length {context_length!r}"
     try:
         x = np.asarray(node_counts, dtype=np.float64).reshape(-1)

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import MAX_TREE_NODES
+from ..util.checks import MAX_TREE_NODES
+from ..util.errors import InvalidInputError
 from .cost import ConvexCostModel, CostModel
-from .errors import InvalidInputError
 from .tree import DraftTree, build_ddtree
 
 __all__ = [
@@ -65,7 +65,7 @@ QUICK_CONTEXT_LENGTHS = (0, 512, 1024)
 QUICK_NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 """``caddtree profile --quick``: a grid that takes about a minute for a small model on a CPU."""
 
-MAX_NODE_COUNT = MAX_TREE_NODES  # the largest tree a round may verify (caddtree.checks)
+MAX_NODE_COUNT = MAX_TREE_NODES  # the largest tree a round may verify (caddtree.util.checks)
 """The largest tree profiled: 4x the paper's largest. The attention over ``n`` tree nodes after
 ``l`` context tokens is ``n x (l + n)`` per head, so a typo like 100000 would exhaust memory."""
 
@@ -74,7 +74,7 @@ def check_profile_grid(
     context_lengths: Iterable[Any], node_counts: Iterable[Any], trials: Any = 1, warmup: Any = 0
 ) -> tuple[list[int], list[int]]:
     """Validate a profiling grid before any model work; return the sorted distinct lengths and
-    node counts. Raises :class:`~caddtree.errors.InvalidInputError` naming the bad value."""
+    node counts. Raises :class:`~caddtree.util.errors.InvalidInputError` naming the bad value."""
 
     def integers(values: Iterable[Any], what: str) -> list[int]:
         out = []
@@ -298,7 +298,7 @@ def profile_cost_model(
 
     The fitted model's ``metadata`` records the grid, the raw medians, every timed trial and
     ``metadata``.
-    Raises :class:`~caddtree.errors.InvalidInputError` for a bad grid (see
+    Raises :class:`~caddtree.util.errors.InvalidInputError` for a bad grid (see
     :func:`check_profile_grid`), a context length beyond the model's window, or a node count that
     no tree of the drafter's depth can hold.
     """
@@ -409,7 +409,7 @@ def plot_cost_model(
     when the model carries them (a model from :func:`profile_cost_model`, also after a save and
     load; a published torch file has only curves), and ``C_d`` in a corner.
     """
-    from .plots import pyplot, save_figure
+    from ..util.plots import pyplot, save_figure
 
     lengths = getattr(model, "context_lengths", None)
     curves = getattr(model, "curves", None)

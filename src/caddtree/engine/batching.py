@@ -16,7 +16,7 @@ returns them and frees their slots): continuous batching. Each round
 
 A request's output does not depend on what else is in the batch: its rows see nothing of the
 others', and its sampler draws from its own generator. At temperature 0 it is plain greedy
-decoding's output token for token (float64 on the test models), as for :func:`caddtree.decoding.
+decoding's output token for token (float64 on the test models), as for :func:`caddtree.engine.decoding.
 decode`, which stays the single-request loop with every analysis hook.
 """
 
@@ -30,17 +30,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .checks import check_int
-from .cost import CostModel
+from ..core.cost import CostModel
+from ..core.sampling import TokenContext, walk_tree
+from ..core.tree import DraftTree, build_joint_caddtrees
+from ..models.batch_proposer import BatchProposer, DraftCall
+from ..models.lean import LeanTarget, Rows
+from ..models.proposer import DraftLogits
+from ..models.target import tree_position_ids
+from ..util.checks import check_int
+from ..util.errors import InvalidInputError
 from .decoding import RoundStats, _stop_point
-from .errors import InvalidInputError
-from .models.batch_proposer import BatchProposer, DraftCall
-from .models.lean import LeanTarget, Rows
-from .models.proposer import DraftLogits
-from .models.target import tree_position_ids
 from .requests import GenerationRequest
-from .sampling import TokenContext, walk_tree
-from .tree import DraftTree, build_joint_caddtrees
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
 
@@ -255,7 +255,7 @@ class BatchDecoder:
         return self._mapped(running.request.policy.build(draft, running.length))
 
     def _joint_trees(self, drafts: list[DraftLogits | None]) -> list[DraftTree] | None:
-        """Every request's tree from one joint budget (:func:`~caddtree.tree.
+        """Every request's tree from one joint budget (:func:`~caddtree.core.tree.
         build_joint_caddtrees`), when the decoder has a ``joint_cost_model`` and every running
         request is a CaDDTree one; ``None`` otherwise.
 

@@ -3,7 +3,7 @@
 :class:`TopK` holds precomputed top-K log-probabilities; :func:`topk_log_probs` makes one from
 logits; :class:`DraftRows` is the protocol of rows computed on demand (a drafter that projects a
 position to the vocabulary only when the expansion first reaches it); :class:`Candidates` reads
-any of these, a torch tensor or a numpy array, row by row, as :mod:`caddtree.tree` expands.
+any of these, a torch tensor or a numpy array, row by row, as :mod:`caddtree.core.tree` expands.
 Pure numpy (torch only for rows that are torch tensors).
 """
 
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .checks import check_int
-from .errors import InvalidInputError
+from ..util.checks import check_int
+from ..util.errors import InvalidInputError
 from .rows import chunk_maxima, chunked, logsumexp, top_candidates
 
 if TYPE_CHECKING:

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checks import check_int
-from .devices import dtype_name
-from .errors import InvalidInputError
-from .tree import DraftTree
+from ..core.tree import DraftTree
+from ..util.checks import check_int
+from ..util.devices import dtype_name
+from ..util.errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import SpeculativeGenerator
+    from ..api import SpeculativeGenerator
 
 __all__ = ["NEAR_TIE_ULPS", "Divergence", "explain_divergence", "near_tie_threshold"]
 
@@ -141,7 +141,7 @@ def explain_divergence(
     plus the agreed generated tokens) and runs ``gen``'s target on it twice:
 
     * the AR way: prefill the prompt, then one KV-cached forward per agreed token, exactly as
-      :func:`caddtree.decoding.decode` runs AR (so it costs as many forwards as the agreed tokens);
+      :func:`caddtree.engine.decoding.decode` runs AR (so it costs as many forwards as the agreed tokens);
     * the verification way: prefill all but the last ``window`` tokens of the prefix, then one
       tree-attention forward over those ``window`` tokens as a chain with the two differing tokens
       (and padding nodes up to ``tree_nodes`` nodes, e.g. the method's mean tree size) hanging

@@ -12,7 +12,7 @@ caddtree  :class:`CostAware`   the top-``n*`` prefixes, ``n*`` by Algorithm 1
 ========  ===================  ==================================================
 
 Losslessness. The target's token at every visited tree node is chosen as plain decoding would
-choose it there, and the walk follows the child that carries it (:mod:`caddtree.sampling`). Stop
+choose it there, and the walk follows the child that carries it (:mod:`caddtree.core.sampling`). Stop
 tokens and stopping criteria (e.g. stop strings) are checked after every committed token, as
 transformers checks them after every generated token, so the output ends where plain decoding's
 would.
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
-from .errors import InvalidInputError
-from .sampling import Sampler, TokenContext, walk_tree
-from .tree import DraftTree, build_caddtree, build_chain, build_ddtree
+from ..core.sampling import Sampler, TokenContext, walk_tree
+from ..core.tree import DraftTree, build_caddtree, build_chain, build_ddtree
+from ..util.checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
+from ..util.errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .cost import CostModel
-    from .models.target import TreeVerifier
+    from ..core.cost import CostModel
+    from ..models.target import TreeVerifier
 
 __all__ = [
     "Budget",
@@ -69,7 +69,7 @@ class Proposer(Protocol):
     """What the round loop needs from a drafter (the proposer of docs/design.md's round).
 
     ``propose(bonus, new_context_features)`` returns the draft logits of the block after
-    ``bonus``, ``[B-1, V]`` (a tensor, or :class:`~caddtree.tree.DraftRows` computed on demand);
+    ``bonus``, ``[B-1, V]`` (a tensor, or :class:`~caddtree.core.tree.DraftRows` computed on demand);
     ``new_context_features`` are the target's features of the tokens committed since the last
     call. ``reset()`` forgets everything (a new prompt); ``crop(length)`` forgets the context past
     its first ``length`` tokens; ``context_length`` is how many tokens the proposer has seen.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_sampling
+from ..util.checks import check_sampling
 from .tree import DraftTree
 
 __all__ = [

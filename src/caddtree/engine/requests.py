@@ -1,8 +1,8 @@
 """The one request type: what to decode, checked once, and (filled in) what came of it.
 
 :meth:`caddtree.api.SpeculativeGenerator.request` makes a :class:`GenerationRequest` from
-``generate``'s arguments; ``generate`` decodes it with :func:`caddtree.decoding.decode`, and
-:class:`caddtree.batching.BatchDecoder` decodes many together (``caddtree serve --max-batch``).
+``generate``'s arguments; ``generate`` decodes it with :func:`caddtree.engine.decoding.decode`, and
+:class:`caddtree.engine.batching.BatchDecoder` decodes many together (``caddtree serve --max-batch``).
 """
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.sampling import Sampler
 from .decoding import GenerationResult, GenerationStats, RoundStats, TreePolicy
-from .sampling import Sampler
 
 __all__ = ["GenerationRequest"]
 
 
 @dataclass(eq=False)
 class GenerationRequest:
-    """One request: what to decode, and (filled in by :class:`~caddtree.batching.BatchDecoder`)
+    """One request: what to decode, and (filled in by :class:`~caddtree.engine.batching.BatchDecoder`)
     its output.
 
-    ``prompt_ids`` and ``policy`` (:func:`caddtree.decoding.make_policy`) say what; at most
+    ``prompt_ids`` and ``policy`` (:func:`caddtree.engine.decoding.make_policy`) say what; at most
     ``max_new_tokens`` tokens come out, and a token of ``stop_token_ids`` ends the output after
     itself, and so does one at which a criterion of ``stopping_criteria`` fires (transformers'
-    form, as :func:`~caddtree.decoding.decode` takes them). ``sampler`` chooses the target's tokens (greedy by
+    form, as :func:`~caddtree.engine.decoding.decode` takes them). ``sampler`` chooses the target's tokens (greedy by
     default; give each sampled request its own seeded sampler).
     :meth:`caddtree.api.SpeculativeGenerator.request` makes one from ``generate``'s arguments. ``output``, ``stop_reason`` (``None`` while it runs), ``rounds``
     (verification rounds) and ``accepted`` (draft tokens accepted) are filled in as it decodes.
@@ -47,7 +47,7 @@ class GenerationRequest:
     wall_s: float = 0.0  # from its prefill to its last token
 
     def result(self) -> GenerationResult:
-        """The finished request as :func:`~caddtree.decoding.decode`'s result (no text)."""
+        """The finished request as :func:`~caddtree.engine.decoding.decode`'s result (no text)."""
         stats = GenerationStats.from_rounds(
             self.policy.name,
             self.round_stats,

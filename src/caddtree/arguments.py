@@ -3,7 +3,7 @@
 the checks before loading, :func:`check_pair_arguments`, and the loading).
 
 :func:`load_pair` takes the built-in pair when neither model is given
-(:func:`caddtree.defaults.resolve_model_pair`), loads it as a
+(:func:`caddtree.util.defaults.resolve_model_pair`), loads it as a
 :class:`~caddtree.api.SpeculativeGenerator`, and for ``method="caddtree"`` without a cost model
 obtains the one profiled once for this machine and cached
 (:meth:`~caddtree.api.SpeculativeGenerator.cached_cost_model`): no silent fallback to another
@@ -17,11 +17,11 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from .checks import DEFAULT_DDTREE_BUDGET, METHODS, RUNTIMES
+from .util.checks import DEFAULT_DDTREE_BUDGET, METHODS, RUNTIMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import SpeculativeGenerator
-    from .cost import CostModel
+    from .core.cost import CostModel
 
 __all__ = [
     "add_method_arguments",
@@ -126,10 +126,10 @@ def check_pair_arguments(args: argparse.Namespace) -> None:
     (``args.cost_model`` becomes the model)."""
     import torch
 
-    from .checks import check_int
-    from .cost import load_cost_model
-    from .devices import resolve_dtype
-    from .errors import InvalidInputError
+    from .core.cost import load_cost_model
+    from .util.checks import check_int
+    from .util.devices import resolve_dtype
+    from .util.errors import InvalidInputError
 
     if args.target is not None and args.method != "ar" and args.draft is None:
         raise InvalidInputError(
@@ -179,7 +179,7 @@ def load_pair(
     ``pack_weights``, ``runtime``: see :meth:`~caddtree.api.SpeculativeGenerator.from_pretrained`.
     ``generator.source`` names the models loaded."""
     from .api import SpeculativeGenerator
-    from .defaults import resolve_model_pair
+    from .util.defaults import resolve_model_pair
 
     target, draft, dtype = resolve_model_pair(target, draft, dtype)
     gen = SpeculativeGenerator.from_pretrained(

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..util.checks import check_int
+from ..util.errors import InvalidInputError
 from .candidates import Candidates, DraftRows, TopK, topk_log_probs
-from .checks import check_int
-from .errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
@@ -354,7 +354,7 @@ def build_caddtree(
 
     Expands best-first and stops at the first ``n`` where ``theta*(n+1) <= theta*(n)``, or at
     ``max_budget`` nodes. The result equals ``build_ddtree(draft_logits, n*)`` with ``n* = len(tree)``.
-    Under a convex verification cost (every :class:`~caddtree.cost.ConvexCostModel`) it is the
+    Under a convex verification cost (every :class:`~caddtree.core.cost.ConvexCostModel`) it is the
     throughput-optimal tree (Corollaries 1 and 2).
 
     ``context_length`` is the number of tokens already in the target's KV cache when the tree is

@@ -1,6 +1,6 @@
 """Reading one row of draft logits on the CPU: its normaliser and its ``k`` largest entries.
 
-:class:`caddtree.candidates.Candidates` reads each position's row the first time the tree expansion
+:class:`caddtree.core.candidates.Candidates` reads each position's row the first time the tree expansion
 reaches it, and again, wider, only when the expansion runs past what it read. These are the
 pieces of such a read that touch the whole row, written to pass over it as few times and as
 cheaply as they can: one max per 128-token chunk (torch if loaded, on one thread), the top-``k`` selected

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import CaddtreeError, InvalidInputError
 
-# The decoding methods: one round loop, four tree policies (caddtree.decoding).
+# The decoding methods: one round loop, four tree policies (caddtree.engine.decoding).
 METHODS = ("ar", "dflash", "ddtree", "caddtree")
 DEFAULT_DDTREE_BUDGET = 64
 """The node budget of ``method="ddtree"`` when none is given (every front door's default)."""
@@ -150,7 +150,7 @@ def check_tree_budgets(
     (it asks for a tree that cannot be built); a CaDDTree ``max_budget`` is a ceiling, refused
     beyond :data:`MAX_TREE_NODES` and lowered to the prefix count. ``names`` are the argument
     names used in messages (``("--budget", "--max-budget")`` for the command line). Arguments of
-    other methods are left to :func:`caddtree.decoding.make_policy`.
+    other methods are left to :func:`caddtree.engine.decoding.make_policy`.
     """
     holds = MAX_TREE_NODES
     why = (

@@ -59,7 +59,7 @@ def _quiet_broken_pipe() -> int:
 def run_command(command: Callable[[], int]) -> int:
     """Run ``command`` (which returns the exit status) as every ``caddtree`` command runs: with
     the library's log shown (:func:`install_log_handler`), and ending without a traceback: a
-    :class:`~caddtree.errors.CaddtreeError` is a ``caddtree: error: ...`` line and status 2,
+    :class:`~caddtree.util.errors.CaddtreeError` is a ``caddtree: error: ...`` line and status 2,
     Ctrl-C is ``caddtree: interrupted`` and 130, a closed pipe (``caddtree ... | head``) ends
     quietly with the status of a process ended by SIGPIPE."""
     install_log_handler()
