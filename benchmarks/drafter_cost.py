@@ -71,7 +71,7 @@ def main() -> None:
 
             def propose(p=proposer, s=start, t=tail):
                 p.crop(s)
-                p.propose(7, t)
+                p.propose(7, t).rows()
 
             def head(p=proposer, h=hidden):
                 p.lm_head(h)

@@ -351,7 +351,7 @@ def forward_s(gen: SpeculativeGenerator, tree: DraftTree) -> float:
     """Seconds of one target forward over ``[bonus] + tree``, discarded (context unchanged)."""
     start = time.perf_counter()
     gen.verifier.verify(5, tree)
-    gen.verifier.commit([])
+    gen.verifier.discard()
     return time.perf_counter() - start
 
 

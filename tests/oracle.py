@@ -7,6 +7,7 @@ import torch
 
 from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import TreeVerifier
+from caddtree.models.proposer import DraftLogits
 from tiny_models import FEATURE_LAYER_IDS
 
 
@@ -93,4 +94,4 @@ class OracleProposer:
             out = torch.full_like(out, -30.0).scatter_(1, torch.tensor(chosen)[:, None], 30.0)
         elif self.mode == "noisy":
             out = out + self.noise * torch.randn(out.shape, generator=self.gen, dtype=out.dtype)
-        return out
+        return DraftLogits.precomputed(out)

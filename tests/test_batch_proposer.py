@@ -53,7 +53,7 @@ def test_each_sequence_of_a_pass_drafts_as_it_would_alone(pair):
         ]
         ours = batched.propose(calls)
         for call, draft in zip(calls, ours):
-            theirs = alone[call.slot].propose_lazy(call.bonus, call.features[None])
+            theirs = alone[call.slot].propose(call.bonus, call.features[None])
             torch.testing.assert_close(draft.rows(), theirs.rows(), rtol=1e-10, atol=1e-10)
             assert batched.lengths[call.slot] == alone[call.slot].context_length
     assert batched.capacity >= max(batched.lengths)
@@ -65,7 +65,7 @@ def test_a_pass_grows_the_cache_and_refuses_repeated_slots(pair):
     alone = DFlashProposer(drafter, target)
     long = features(drafter, 300, 1)  # past the first 256 entries
     ours = batched.propose([DraftCall(1, 5, long)])[0]
-    torch.testing.assert_close(ours.rows(), alone.propose_lazy(5, long[None]).rows())
+    torch.testing.assert_close(ours.rows(), alone.propose(5, long[None]).rows())
     assert batched.capacity >= 300 + drafter.block_size
     with pytest.raises(InvalidInputError, match="distinct slots"):
         batched.propose([DraftCall(0, 1, long[:1]), DraftCall(0, 2, long[:1])])

@@ -53,7 +53,7 @@ def test_logits_and_features_equal_transformers_through_a_generation(model, comp
         t = tree(seed) if seed not in (2, 4) else DraftTree.empty()
         for a, b in zip(compiled.verify(7 + seed, t), theirs.verify(7 + seed, t)):
             assert_same(a, b, model.dtype)
-        path = deep_path(t) if len(t) else [0]
+        path = deep_path(t)
         assert_same(compiled.commit(path), theirs.commit(path), model.dtype)
     for v in (compiled, theirs):
         v.truncate(11)
@@ -78,7 +78,7 @@ def test_calls_after_the_prompt_run_the_graphs_and_never_recompile(model, compil
         t = tree(budget, budget) if budget > 1 else DraftTree.empty()
         for a, b in zip(compiled.verify(2, t), theirs.verify(2, t)):
             assert_same(a, b, model.dtype)
-        path = deep_path(t) if len(t) else [0]
+        path = deep_path(t)
         compiled.commit(path)
         theirs.commit(path)
     assert compiled.target.capacity > first_capacity  # it grew

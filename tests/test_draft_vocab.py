@@ -49,8 +49,8 @@ def test_logits_are_the_target_heads_rows_of_the_draft_vocabulary(qwen3, saved):
     original, _, _ = saved
     full = new_drafter(qwen3)  # the same weights (same seed) without a draft vocabulary
     features = torch.randn(1, 4, full.fc.in_features, dtype=torch.float64)
-    small = DFlashProposer(original, qwen3).propose(7, features)
-    big = DFlashProposer(full, qwen3).propose(7, features)
+    small = DFlashProposer(original, qwen3).propose(7, features).rows()
+    big = DFlashProposer(full, qwen3).propose(7, features).rows()
     assert small.shape == (5, len(DRAFT_IDS)) and big.shape == (5, VOCAB)
     torch.testing.assert_close(small, big[:, DRAFT_IDS], rtol=0, atol=1e-12)
     proposer = DFlashProposer(original, qwen3)

@@ -152,7 +152,7 @@ def test_draft_logits_slicing_and_errors():
 # ---- the proposer ----------------------------------------------------------------------------------
 
 
-def test_propose_lazy_is_the_same_pass_as_propose(qwen3):
+def test_draft_logits_project_on_demand_what_one_projection_gives(qwen3):
     drafter = new_drafter(qwen3)
     features = torch.randn(
         1,
@@ -161,15 +161,15 @@ def test_propose_lazy_is_the_same_pass_as_propose(qwen3):
         dtype=torch.float64,
         generator=torch.Generator().manual_seed(0),
     )
-    full = DFlashProposer(drafter, qwen3).propose(3, features)
-    lazy = DFlashProposer(drafter, qwen3).propose_lazy(3, features)
+    full = DFlashProposer(drafter, qwen3).propose(3, features).rows()
+    lazy = DFlashProposer(drafter, qwen3).propose(3, features)
     assert lazy.projected == 0 and lazy.shape == tuple(full.shape)
     position_one = lazy.row(0)  # a first few positions: another matmul shape, same to rounding
     torch.testing.assert_close(position_one, full[0], rtol=0, atol=1e-12)
     assert lazy.projected == PROJECTION_STEPS[0] < lazy.shape[0]
     torch.testing.assert_close(lazy.rows(), full, rtol=0, atol=1e-12)
-    untouched = DFlashProposer(drafter, qwen3).propose_lazy(3, features)
-    assert torch.equal(untouched.rows(), full)  # projected in one go: exactly propose()'s logits
+    untouched = DFlashProposer(drafter, qwen3).propose(3, features)
+    assert torch.equal(untouched.rows(), full)  # projected in one go: the same logits exactly
 
 
 @pytest.mark.parametrize("method", ["ddtree", "caddtree", "dflash"])

@@ -41,12 +41,19 @@ def prompt(seed: int, length: int = 9) -> list[int]:
 
 
 def deep_path(t: DraftTree) -> list[int]:
-    """An accepted path to the deepest node of ``t`` (indices into [bonus] + nodes)."""
-    node = int(np.argmax(t.depths))
-    path = [node + 1]
-    while t.parents[path[-1] - 1] >= 0:
-        path.append(int(t.parents[path[-1] - 1]) + 1)
-    return [0, *reversed(path)]
+    """An accepted path to the deepest node of ``t`` (its node indices, from the root down;
+    ``[]`` for an empty tree)."""
+    if not len(t):
+        return []
+    path = [int(np.argmax(t.depths))]
+    while t.parents[path[-1]] >= 0:
+        path.append(int(t.parents[path[-1]]))
+    return path[::-1]
+
+
+def rows_of(nodes: list[int]) -> list[int]:
+    """The rows of a verification that ``nodes`` and the bonus token occupy (node k: row k + 1)."""
+    return [0, *(k + 1 for k in nodes)]
 
 
 def assert_same(ours, theirs, dtype):
@@ -66,12 +73,12 @@ def test_logits_and_features_equal_transformers_through_a_generation(model):
         t = tree(seed) if seed != 2 else DraftTree.empty()
         for a, b in zip(ours.verify(7 + seed, t), theirs.verify(7 + seed, t)):
             assert_same(a, b, dtype)
-        path = deep_path(t) if len(t) else [0]
+        path = deep_path(t)
         assert_same(ours.commit(path), theirs.commit(path), dtype)
     assert (
         ours.context_length
         == theirs.context_length
-        == 9 + sum(len(deep_path(tree(s))) for s in (0, 1, 3)) + 1
+        == 9 + sum(1 + len(deep_path(tree(s))) for s in (0, 1, 3)) + 1
     )
     for v in (ours, theirs):
         v.truncate(11)
@@ -88,8 +95,8 @@ def test_a_lone_row_is_answered_without_a_mask_and_equals_transformers(model):
         a, b = ours.verify(token, DraftTree.empty()), theirs.verify(token, DraftTree.empty())
         assert a[0].shape == (1, VOCAB) and a[1].shape == (1, 0)
         assert_same(a[0], b[0], model.dtype)
-        ours.commit([0])
-        theirs.commit([0])
+        ours.commit([])
+        theirs.commit([])
 
 
 def test_the_cache_grows_past_its_reserve_and_keeps_its_entries(model, monkeypatch):
@@ -159,10 +166,10 @@ def test_several_sequences_in_one_call_equal_each_alone(model):
         offset += n
     # the accepted path of slot 2 compacted in place; then one row each, no mask needed
     path = deep_path(t)
-    runtime.compact(2, 12, path)
+    runtime.compact(2, 12, rows_of(path))
     references[2].commit(path)
-    references[0].commit([0])
-    lengths = {2: 12 + len(path), 0: 6, 3: 23}
+    references[0].commit([])
+    lengths = {2: 12 + len(rows_of(path)), 0: 6, 3: 23}
     rows = Rows.batch([(s, lengths[s], [s + 1], [lengths[s]], None) for s in (3, 2, 0)], "cpu")
     logits, _ = runtime.forward(rows)
     assert_same(logits[1], references[2].verify(3, DraftTree.empty())[0][0], dtype)

@@ -148,8 +148,8 @@ def test_loaded_drafter_gives_identical_outputs(qwen3, saved):
     for name, tensor in original.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
     features = torch.randn(1, 5, loaded.fc.in_features, dtype=torch.float64)
-    a = DFlashProposer(original, qwen3).propose(3, features)
-    b = DFlashProposer(loaded, qwen3).propose(3, features)
+    a = DFlashProposer(original, qwen3).propose(3, features).rows()
+    b = DFlashProposer(loaded, qwen3).propose(3, features).rows()
     assert a.shape == (5, VOCAB)
     assert torch.equal(a, b)
 
@@ -180,8 +180,8 @@ def test_block_size_inside_dflash_config_loads(qwen3, saved, tmp_path):
     assert nested.block_size == original.block_size == 6
     features = torch.randn(1, 4, nested.fc.in_features, dtype=torch.float64)
     assert torch.equal(
-        DFlashProposer(nested, qwen3).propose(1, features),
-        DFlashProposer(original, qwen3).propose(1, features),
+        DFlashProposer(nested, qwen3).propose(1, features).rows(),
+        DFlashProposer(original, qwen3).propose(1, features).rows(),
     )
 
 
@@ -230,7 +230,7 @@ def test_empty_tree_verifies_the_bonus_alone(target):
     logits, _ = verifier.verify(11, DraftTree.empty())
     assert logits.shape == (1, VOCAB)
     assert_close(logits[0], sequential(model, prompt + [11]).logits[0, -1], TOL[attn])
-    verifier.commit([0])
+    verifier.commit([])
     assert verifier.context_length == PROMPT_LENGTH + 1
 
 
@@ -263,7 +263,7 @@ def test_gqa_sdpa_answers_trees_and_single_queries_itself(monkeypatch):
     assert_close(logits, expected, 1e-12)
     assert_close(features, expected_features, 1e-12)
     for verifier in (plain, gqa):
-        verifier.commit([0])
+        verifier.commit([])
     expected, _ = plain.verify(3, DraftTree.empty())
     logits, _ = gqa.verify(3, DraftTree.empty())
     assert handed_over == []  # a lone bonus token: no mask, caddtree_sdpa's single-query path
@@ -340,7 +340,7 @@ def test_commit_compacts_the_cache_exactly(target, kind, reserve):
     accepted = accepted_path(tree, node)
     if kind == "first-nodes":
         assert accepted == [0, 1, 2]  # best-first: node 1 is node 0's top child
-    new_features = verifier.commit(accepted)
+    new_features = verifier.commit([i - 1 for i in accepted[1:]])  # rows -> node indices
 
     committed = prompt + [bonus] + path_tokens(tree, node)
     reference = sequential(model, committed)
@@ -380,15 +380,20 @@ def test_commit_rejects_a_non_path(qwen3):
     verifier.prefill(prompt_ids())
     tree = random_tree(0)
     verifier.verify(1, tree)
-    sibling = int(np.flatnonzero(tree.parents == -1)[1]) + 1  # the second child of the root
+    sibling = int(np.flatnonzero(tree.parents == -1)[1])  # the second child of the root
+    with pytest.raises(InvalidInputError, match="node .* is not a child of node 0"):
+        verifier.commit([0, sibling])
+    deeper = int(np.flatnonzero(tree.parents >= 0)[0])
+    with pytest.raises(InvalidInputError, match="is not a child of the root"):
+        verifier.commit([deeper])
     with pytest.raises(InvalidInputError, match="not a path"):
-        verifier.commit([0, 1, sibling])
-    with pytest.raises(InvalidInputError, match="starts with 0"):
-        verifier.commit([1])
+        verifier.commit([len(tree)])
     with pytest.raises(InvalidInputError, match="commit"):
         verifier.verify(1, tree)  # the previous verification is still pending
-    verifier.commit([])  # discarding the round is allowed
+    verifier.discard()  # discarding the round is allowed
     assert verifier.context_length == PROMPT_LENGTH
+    with pytest.raises(InvalidInputError, match="needs a verify"):
+        verifier.discard()
 
 
 @pytest.mark.parametrize("reserve", [None, 256], ids=["dynamic", "reserved"])
@@ -409,7 +414,7 @@ def test_truncate_leaves_the_cache_of_the_shorter_context(target, reserve):
         assert_close(logits[i], sequential(model, ids).logits[0, -1], tol)
     with pytest.raises(InvalidInputError, match="commit"):
         verifier.truncate(2)  # the verification is still pending
-    verifier.commit([])
+    verifier.discard()
     with pytest.raises(InvalidInputError, match="cannot truncate a 3-token context to 4"):
         verifier.truncate(4)
     verifier.truncate(0)
@@ -431,10 +436,10 @@ def test_propose_after_crop_equals_proposing_from_scratch(qwen3, saved):
     assert incremental.context_length == 10
     incremental.crop(8)
     assert incremental.context_length == 8
-    after_crop = incremental.propose(5, features[:, 8:12])
+    after_crop = incremental.propose(5, features[:, 8:12]).rows()
 
     scratch = DFlashProposer(drafter, qwen3)
-    from_scratch = scratch.propose(5, features)
+    from_scratch = scratch.propose(5, features).rows()
     assert scratch.context_length == incremental.context_length == 12
     assert_close(after_crop, from_scratch, 1e-12)
     # and the drafter's cache holds context only: the block was dropped after each pass
@@ -458,7 +463,7 @@ def test_propose_protocol_shapes_and_positions(qwen3, saved):
     _, drafter, _ = saved
     proposer = DFlashProposer(drafter, qwen3)
     features = torch.randn(1, 6, drafter.fc.in_features, dtype=torch.float64)
-    logits = proposer.propose(2, features)
+    logits = proposer.propose(2, features).rows()
     assert logits.shape == (drafter.block_size - 1, VOCAB)
     # the same pass by hand: block [bonus, MASK x (B-1)] at positions 6..11, after the context
     block = torch.tensor([[2] + [MASK_TOKEN_ID] * (drafter.block_size - 1)])
@@ -606,8 +611,10 @@ def test_for_target_builds_a_fitting_drafter():
     drafter = new_drafter(llama, num_layers=1, target_layer_ids=None)
     assert drafter.target_layer_ids == (2,)  # one layer of a 4-layer target: the middle one
     assert drafter.config.hidden_size == HIDDEN and drafter.mask_token_id == MASK_TOKEN_ID
-    logits = DFlashProposer(drafter, llama).propose(
-        0, torch.randn(1, 3, HIDDEN, dtype=torch.float64)
+    logits = (
+        DFlashProposer(drafter, llama)
+        .propose(0, torch.randn(1, 3, HIDDEN, dtype=torch.float64))
+        .rows()
     )
     assert logits.shape == (drafter.block_size - 1, VOCAB) and torch.isfinite(logits).all()
 
@@ -621,18 +628,18 @@ def test_drafter_runs_with_eager_and_sdpa_attention(qwen3, saved):
             directory, dtype=torch.float64, attn_implementation=attn
         )
         assert drafter.config._attn_implementation == attn
-        logits[attn] = DFlashProposer(drafter, qwen3).propose(4, features)
+        logits[attn] = DFlashProposer(drafter, qwen3).propose(4, features).rows()
     assert_close(logits["eager"], logits["sdpa"], TOL["eager"])
 
 
 def _greedy_walk(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Follow the target's argmax down the tree: (accepted indices, next bonus token)."""
-    choice = logits.argmax(-1).tolist()
-    accepted, node = [0], -1
-    while (child := tree.child_with_token(node, choice[accepted[-1]])) >= 0:
-        accepted.append(child + 1)
+    """Follow the target's argmax down the tree: (accepted nodes, next bonus token)."""
+    choice = logits.argmax(-1).tolist()  # row k + 1 is node k
+    accepted, node = [], -1
+    while (child := tree.child_with_token(node, choice[node + 1])) >= 0:
+        accepted.append(child)
         node = child
-    return accepted, choice[accepted[-1]]
+    return accepted, choice[node + 1]
 
 
 def test_rounds_keep_the_drafter_in_step_with_the_target(qwen3, saved):
@@ -649,24 +656,26 @@ def test_rounds_keep_the_drafter_in_step_with_the_target(qwen3, saved):
     logits, features = verifier.prefill(prompt)
     committed, bonus = list(prompt), int(logits.argmax())
     for _ in range(4):
-        draft = proposer.propose(bonus, features)
+        draft = proposer.propose(bonus, features).rows()
         assert proposer.context_length == verifier.context_length == len(committed)
         hint = greedy[len(committed) + 1 : len(committed) + 3]
         draft[torch.arange(len(hint)), hint] += 20.0
         tree = build_ddtree(draft, 8)
         accepted, next_bonus = _greedy_walk(tree, verifier.verify(bonus, tree)[0])
-        assert len(accepted) >= 3
+        assert len(accepted) >= 2
         features = verifier.commit(accepted)
-        committed += [bonus] + [int(tree.token_ids[i - 1]) for i in accepted[1:]]
+        committed += [bonus] + [int(tree.token_ids[k]) for k in accepted]
         bonus = next_bonus
 
     assert committed + [bonus] == greedy[: len(committed) + 1]  # lossless
     # drafting after the rounds equals drafting from scratch on the committed context
     reference = sequential(qwen3, committed).hidden_states
-    fresh = DFlashProposer(drafter, qwen3).propose(
-        bonus, extract_context_features(reference, drafter.target_layer_ids)
+    fresh = (
+        DFlashProposer(drafter, qwen3)
+        .propose(bonus, extract_context_features(reference, drafter.target_layer_ids))
+        .rows()
     )
-    assert_close(proposer.propose(bonus, features), fresh, 1e-10)
+    assert_close(proposer.propose(bonus, features).rows(), fresh, 1e-10)
 
 
 def test_freed_heap_memory_goes_back_to_the_system():

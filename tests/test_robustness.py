@@ -439,7 +439,7 @@ def _propose_once(directory: Path, gen: SpeculativeGenerator) -> None:
     drafter = DFlashDraftModel.from_pretrained(directory, dtype=torch.float64)
     proposer = DFlashProposer(drafter, gen.target)
     width = len(drafter.target_layer_ids) * HIDDEN
-    logits = proposer.propose(3, torch.randn(1, 4, width, dtype=torch.float64))
+    logits = proposer.propose(3, torch.randn(1, 4, width, dtype=torch.float64)).rows()
     assert logits.shape[0] == drafter.block_size - 1 and torch.isfinite(logits).all()
 
 

@@ -30,6 +30,7 @@ from caddtree.cli import main
 from caddtree.core.sampling import Sampler
 from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashProposer
+from caddtree.models.proposer import DraftLogits
 from oracle import OracleProposer, decode_with
 from sampling_checks import (
     MARGINAL_PROMPT,
@@ -188,7 +189,7 @@ class UniformProposer:
         self.rows = torch.zeros(block_size - 1, vocab, dtype=torch.float64)
 
     def propose(self, bonus, features):
-        return self.rows
+        return DraftLogits.precomputed(self.rows)
 
     def reset(self):
         pass

@@ -39,7 +39,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "SpeculativeGenerator": "api",
-        "GenerationResult": "engine.decoding",
+        "GenerationResult": "engine.stats",
         "DFlashDraftModel": "models",
     },
     # submodules reachable as attributes without importing them first (``caddtree.hf.generate``)

@@ -24,15 +24,15 @@ from .core.tree import DraftTree
 from .engine.decoding import (
     GenerationResult,
     RoundStats,
-    StopStrings,
     TreePolicy,
-    _criteria_list,
+    criteria_list,
     decode,
     make_policy,
 )
 from .engine.requests import GenerationRequest
+from .engine.tokens import chat_template_ids, eos_token_ids, stop_string_criterion
 from .util.checks import (
-    _chat_messages,
+    chat_messages,
     check_chat_template_kwargs,
     check_int,
     check_runtime,
@@ -68,52 +68,6 @@ logger = logging.getLogger(__name__)
 
 # A generation that reached this many positions hands the heap memory it freed back (on the CPU)
 LONG_CONTEXT = 2048
-
-
-def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
-    """EOS ids from ``tokenizer`` and from ``model.generation_config`` (int or list; either may
-    be missing)."""
-    ids: set[int] = set()
-    gen_config = getattr(model, "generation_config", None)
-    for value in (
-        getattr(tokenizer, "eos_token_id", None),
-        getattr(gen_config, "eos_token_id", None),
-    ):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
-
-
-def stop_string_criterion(tokenizer: Any, stop_strings: list[str]) -> StopStrings:
-    """A :class:`~caddtree.engine.decoding.StopStrings` criterion for ``stop_strings`` (checked with
-    :func:`check_stop`), or a clear error when ``tokenizer`` cannot write one of them (its
-    characters encode to the unknown token), which could then never stop generation."""
-    unknown = getattr(tokenizer, "unk_token_id", None)
-    for stop in stop_strings:
-        if unknown is not None and unknown in tokenizer.encode(stop, add_special_tokens=False):
-            raise InvalidInputError(
-                f"the tokenizer cannot write the stop string {stop!r} (its characters are not in "
-                "the vocabulary), so it could never stop generation; leave it out"
-            )
-    return StopStrings(tokenizer, stop_strings)
-
-
-def chat_template_ids(
-    tokenizer: Any,
-    messages: Sequence[dict[str, str]],
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant turn.
-
-    ``chat_template_kwargs`` go to ``apply_chat_template`` and so to the template (e.g.
-    ``{"enable_thinking": False}`` for Qwen3; ``add_generation_prompt`` may be overridden too)."""
-    kwargs = {"add_generation_prompt": True, **check_chat_template_kwargs(chat_template_kwargs)}
-    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False, **kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some versions return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 SLOW_PROFILE_S = 300.0
@@ -479,7 +433,7 @@ class SpeculativeGenerator:
         ``chat_template_kwargs`` (a dict, e.g. ``{"enable_thinking": False}`` for Qwen3) go to
         the chat template; giving some where no template is applied is an error."""
         template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
-        messages = _chat_messages(prompt)
+        messages = chat_messages(prompt)
         if isinstance(prompt, str) or messages is not None:
             if self.tokenizer is None:
                 raise InvalidInputError("this generator has no tokenizer; pass token ids instead")
@@ -551,6 +505,26 @@ class SpeculativeGenerator:
             result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
 
+    def policy(
+        self,
+        method: str,
+        *,
+        budget: int | None = None,
+        cost_model: CostModel | str | os.PathLike[str] | None = None,
+        max_budget: int = 1024,
+        profile: bool = False,
+    ) -> TreePolicy:
+        """The tree policy of ``method`` with its budgets checked against the drafter's block.
+        CaDDTree's cost model is ``cost_model`` (a model or a file), else this generator's; with
+        ``profile``, one is loaded from the cache or profiled when neither is set."""
+        cost = None
+        if method == "caddtree":
+            cost = self._cost_model(cost_model) or self.cost_model
+            if cost is None and profile:
+                cost = self.cost_model = self.cached_cost_model()
+        max_budget = check_tree_budgets(method, budget, max_budget, **self._block())
+        return make_policy(method, budget=budget, cost_model=cost, max_budget=max_budget)
+
     def request(
         self,
         prompt: str | Sequence[int] | Sequence[dict[str, str]],
@@ -575,14 +549,7 @@ class SpeculativeGenerator:
         """The :class:`~caddtree.engine.requests.GenerationRequest` of :meth:`generate`'s arguments
         (the same meaning), every one checked here: what :meth:`generate` decodes, and what a
         :class:`~caddtree.engine.batching.BatchDecoder` takes."""
-        cost = self._cost_model(cost_model) or self.cost_model
-        max_budget = check_tree_budgets(method, budget, max_budget, **self._block())
-        policy = make_policy(
-            method,
-            budget=budget,
-            cost_model=cost if method == "caddtree" else None,
-            max_budget=max_budget,
-        )
+        policy = self.policy(method, budget=budget, cost_model=cost_model, max_budget=max_budget)
         if policy.needs_drafter and self.proposer is None:
             raise InvalidInputError(
                 f"method {method!r} needs a DFlash drafter; load one (draft=...) or use method='ar'"
@@ -610,7 +577,7 @@ class SpeculativeGenerator:
                 stop_token_ids = list(stop_token_ids)  # a set, a generator ...
             vocab = int(self.target.config.get_text_config().vocab_size)
             stops = set(token_ids(stop_token_ids, vocab, "stop_token_ids"))
-        criteria = _criteria_list(stopping_criteria)
+        criteria = criteria_list(stopping_criteria)
         if stop_strings:
             criteria.insert(0, stop_string_criterion(self.tokenizer, stop_strings))
         check_int("max_new_tokens", max_new_tokens)

@@ -59,9 +59,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from .api import SpeculativeGenerator, stop_string_criterion
 from .core.cost import CostModel
 from .core.sampling import Sampler
-from .engine.decoding import GenerationStats, make_policy
+from .engine.decoding import GenerationStats
 from .models.target import CACHE_ARGUMENTS
-from .util.checks import DEFAULT_DDTREE_BUDGET, check_method, check_stop, check_tree_budgets
+from .util.checks import DEFAULT_DDTREE_BUDGET, check_method, check_stop
 from .util.errors import InvalidInputError
 
 __all__ = ["DEFAULT_DDTREE_BUDGET", "CaddtreeGenerateOutput", "generate"]
@@ -310,54 +310,18 @@ def _generate(
     if config is None:
         config = model.generation_config
     _check_request(input_ids, config, model_kwargs)
-    check_method(method)
-    if method != "ar" and drafter is None:
-        raise InvalidInputError(
-            f"method {method!r} needs a DFlash drafter: pass assistant_model=drafter (a "
-            "caddtree.DFlashDraftModel) to generate, or use method='ar'"
-        )
-    stops = check_stop(stop_strings)
-    if stops and tokenizer is None:
-        raise InvalidInputError(
-            "stop_strings need the tokenizer, and transformers does not pass tokenizer= on to a "
-            "custom_generate callable; give them as stopping_criteria=StoppingCriteriaList("
-            "[StopStringCriteria(tokenizer, stop_strings)]) instead"
-        )
-
-    # Length and EOS: handled by the loop itself (so stop_reason says which), other criteria
-    # (stop strings, max_time, the caller's) checked after every token as generate does.
+    stops = _check_method_and_stops(method, drafter, stop_strings, tokenizer)
     prompt = [int(t) for t in input_ids[0].tolist()]
-    limit = config.max_length
-    if getattr(config, "max_new_tokens", None) is not None:
-        limit = len(prompt) + config.max_new_tokens
-    stop_ids = _token_set(getattr(config, "eos_token_id", None))
-    criteria = [stop_string_criterion(tokenizer, stops)] if stops else []
-    for criterion in stopping_criteria or ():
-        if isinstance(criterion, MaxLengthCriteria):
-            limit = min(limit, criterion.max_length) if limit is not None else criterion.max_length
-        elif isinstance(criterion, EosTokenCriteria):
-            stop_ids |= _token_set(criterion.eos_token_id)
-        else:
-            criteria.append(criterion)
-    if limit is None:
-        raise InvalidInputError("give max_new_tokens (or max_length) to bound the generation")
-    max_new_tokens = limit - len(prompt)
-    if max_new_tokens < 1:
-        raise InvalidInputError(
-            f"the prompt has {len(prompt)} tokens and max_length is {limit}: nothing to generate; "
-            "raise max_new_tokens"
-        )
+    max_new_tokens, stop_ids, criteria = _stopping(
+        config, len(prompt), stopping_criteria, tokenizer, stops
+    )
 
     gen = _generator(model, drafter)
     if method == "ddtree" and budget is None:
         budget = DEFAULT_DDTREE_BUDGET
-    cost = None
-    if method == "caddtree":
-        cost = SpeculativeGenerator._cost_model(cost_model) or gen.cost_model
-        if cost is None:
-            cost = gen.cost_model = gen.cached_cost_model()
-    max_budget = check_tree_budgets(method, budget, max_budget, **gen._block())
-    policy = make_policy(method, budget=budget, cost_model=cost, max_budget=max_budget)
+    policy = gen.policy(
+        method, budget=budget, cost_model=cost_model, max_budget=max_budget, profile=True
+    )
     sampler = Sampler.from_processors(logits_processor, do_sample=bool(config.do_sample))
 
     want_scores = bool(getattr(config, "output_scores", False))
@@ -395,3 +359,53 @@ def _generate(
     return CaddtreeGenerateOutput(
         sequences=sequences, scores=scores, logits=logits, caddtree=result.stats
     )
+
+
+def _check_method_and_stops(
+    method: str, drafter: Any, stop_strings: Any, tokenizer: Any
+) -> list[str]:
+    """Check ``method`` (and that it has the drafter it needs) and the stop strings (and that
+    there is a tokenizer for them); returns the stop strings as a list."""
+    check_method(method)
+    if method != "ar" and drafter is None:
+        raise InvalidInputError(
+            f"method {method!r} needs a DFlash drafter: pass assistant_model=drafter (a "
+            "caddtree.DFlashDraftModel) to generate, or use method='ar'"
+        )
+    stops = check_stop(stop_strings)
+    if stops and tokenizer is None:
+        raise InvalidInputError(
+            "stop_strings need the tokenizer, and transformers does not pass tokenizer= on to a "
+            "custom_generate callable; give them as stopping_criteria=StoppingCriteriaList("
+            "[StopStringCriteria(tokenizer, stop_strings)]) instead"
+        )
+    return stops
+
+
+def _stopping(
+    config: Any, prompt_len: int, stopping_criteria: Any, tokenizer: Any, stops: list[str]
+) -> tuple[int, set[int], list[Any]]:
+    """(max new tokens, stop token ids, other criteria) from the config and the stopping
+    criteria. Length and EOS are handled by the loop itself (so stop_reason says which), other
+    criteria (stop strings, max_time, the caller's) checked after every token as generate does."""
+    limit = config.max_length
+    if getattr(config, "max_new_tokens", None) is not None:
+        limit = prompt_len + config.max_new_tokens
+    stop_ids = _token_set(getattr(config, "eos_token_id", None))
+    criteria = [stop_string_criterion(tokenizer, stops)] if stops else []
+    for criterion in stopping_criteria or ():
+        if isinstance(criterion, MaxLengthCriteria):
+            limit = min(limit, criterion.max_length) if limit is not None else criterion.max_length
+        elif isinstance(criterion, EosTokenCriteria):
+            stop_ids |= _token_set(criterion.eos_token_id)
+        else:
+            criteria.append(criterion)
+    if limit is None:
+        raise InvalidInputError("give max_new_tokens (or max_length) to bound the generation")
+    max_new_tokens = limit - prompt_len
+    if max_new_tokens < 1:
+        raise InvalidInputError(
+            f"the prompt has {prompt_len} tokens and max_length is {limit}: nothing to generate; "
+            "raise max_new_tokens"
+        )
+    return max_new_tokens, stop_ids, criteria

@@ -12,8 +12,21 @@ from typing import Any
 from ..arguments import add_runtime_arguments
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
-from .methods import DEFAULT_BUDGETS, DEFAULT_METHODS, default_ar_dtypes, parse_methods
-from .runner import BenchConfig, barrier, generator_dtype, init_distributed, run_bench
+from .methods import (
+    DEFAULT_BUDGETS,
+    DEFAULT_METHODS,
+    MethodSpec,
+    default_ar_dtypes,
+    parse_methods,
+)
+from .runner import (
+    BenchConfig,
+    DistInfo,
+    barrier,
+    generator_dtype,
+    init_distributed,
+    run_bench,
+)
 
 __all__ = ["add_arguments", "cli_main"]
 
@@ -87,24 +100,14 @@ def add_arguments(p: Any) -> None:
 
 def cli_main(args: Any) -> int:
     """``caddtree bench``: see :mod:`caddtree.bench.runner`."""
-    import shlex
-
     import torch
 
-    from .. import __version__
-    from ..api import SpeculativeGenerator
-    from ..core.cost import load_cost_model
-    from ..util.devices import machine_description, resolve_dtype
-    from .datasets import load_benchmark, load_prompt_file
-    from .tables import summary_table
+    from ..util.devices import resolve_dtype
 
     check_int("--max-samples", args.max_samples, allow_none=True)
     methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
     specs = parse_methods(methods, args.budgets, args.ablations)
-    if args.target is None and args.draft is not None:  # cheap checks before any data or model
-        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
-    if args.target is not None and args.draft is None and any(s.family != "ar" for s in specs):
-        raise InvalidInputError("drafting methods need --draft (a DFlash checkpoint)")
+    _check_model_options(args, specs)  # cheap checks before any data or model
     resolve_dtype(args.dtype, torch.device("cpu"))
     config = BenchConfig(
         prompts={},
@@ -115,8 +118,49 @@ def cli_main(args: Any) -> int:
         seed=args.seed,
         warmup=not args.no_warmup,
     )
-    # load every data set before any model: an unreachable one fails now, not an hour in
-    from .datasets import PAPER_BENCHMARKS, canonical_benchmark_name
+    _load_bench_prompts(args, config)
+    config.validate()
+
+    info = init_distributed(args.device)
+    needs_draft = any(s.family != "ar" for s in specs)
+    gen, ar_gens = _load_generators(args, methods, config, info, needs_draft)
+    cost = _bench_cost_model(args, gen, config.methods, info)
+    records = run_bench(
+        gen,
+        config,
+        args.out,
+        cost_model=cost,
+        resume=not args.no_resume,
+        progress=not args.no_progress,
+        dist_info=info,
+        meta=_bench_meta(args, gen, needs_draft),
+        ar_generators=ar_gens,
+    )
+    _print_summary(args, records, info)
+    if info.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+def _check_model_options(args: Any, specs: list[MethodSpec]) -> None:
+    """Reject a --target/--draft combination the methods cannot run with."""
+    if args.target is None and args.draft is not None:
+        raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
+    if args.target is not None and args.draft is None and any(s.family != "ar" for s in specs):
+        raise InvalidInputError("drafting methods need --draft (a DFlash checkpoint)")
+
+
+def _load_bench_prompts(args: Any, config: BenchConfig) -> None:
+    """Fill ``config.prompts`` from --datasets and --prompts. Every data set loads before any
+    model: an unreachable one fails now, not an hour in."""
+    from .datasets import (
+        PAPER_BENCHMARKS,
+        canonical_benchmark_name,
+        load_benchmark,
+        load_prompt_file,
+    )
 
     datasets = args.datasets
     if datasets is None:
@@ -126,14 +170,19 @@ def cli_main(args: Any) -> int:
     for file in args.prompts:
         items = load_prompt_file(file)
         config.prompts[Path(file).stem] = items[: args.max_samples] if args.max_samples else items
-    config.validate()
 
-    info = init_distributed(args.device)
-    device = info.device if info.distributed else args.device
+
+def _load_generators(
+    args: Any, methods: list[str], config: BenchConfig, info: DistInfo, needs_draft: bool
+) -> tuple[Any, dict[Any, Any]]:
+    """The generator the methods share and one target-only copy per other dtype that plain
+    decoding is measured in. With the default method list, ``config.methods`` gains AR in the
+    dtype that may be faster here."""
+    from ..api import SpeculativeGenerator
     from ..util.defaults import resolve_model_pair
 
+    device = info.device if info.distributed else args.device
     args.target, args.draft, args.dtype = resolve_model_pair(args.target, args.draft, args.dtype)
-    needs_draft = any(s.family != "ar" for s in specs)
     gen = SpeculativeGenerator.from_pretrained(
         args.target,
         args.draft if needs_draft else None,
@@ -143,11 +192,11 @@ def cli_main(args: Any) -> int:
         runtime=args.runtime,
     )
     main_dtype = generator_dtype(gen)
-    if args.methods is None:  # the default list: also AR in the dtype that may be faster here
+    if args.methods is None:
         extra = default_ar_dtypes(main_dtype, gen.verifier.device.type)
-        specs = parse_methods([*methods, *(f"ar-{d}" for d in extra)], args.budgets, args.ablations)
-        config.methods = specs
-    # one target-only copy per other dtype that plain decoding is measured in
+        config.methods = parse_methods(
+            [*methods, *(f"ar-{d}" for d in extra)], args.budgets, args.ablations
+        )
     ar_gens = {
         s.dtype: SpeculativeGenerator.from_pretrained(
             args.target,
@@ -157,20 +206,40 @@ def cli_main(args: Any) -> int:
             pack_weights=args.pack_weights,
             runtime=args.runtime,
         )
-        for s in specs
+        for s in config.methods
         if s.dtype is not None and s.dtype != main_dtype
     }
+    return gen, ar_gens
+
+
+def _bench_cost_model(args: Any, gen: Any, specs: list[MethodSpec], info: DistInfo) -> Any:
+    """The cost model, when a method needs one: --cost-model, or this machine's cached profile
+    (rank 0 profiles once per machine; the other ranks then read the cache)."""
+    from ..core.cost import load_cost_model
+
     cost = None
     if any(s.needs_cost_model for s in specs):
         if args.cost_model:
             cost = load_cost_model(args.cost_model)
-        else:  # rank 0 profiles (once per machine, cached); the others then read the cache
+        else:
             if info.rank == 0:
                 cost = gen.cached_cost_model()
             barrier(info)
             if cost is None:
                 cost = gen.cached_cost_model()
-    meta = {
+    return cost
+
+
+def _bench_meta(args: Any, gen: Any, needs_draft: bool) -> dict[str, Any]:
+    """What the results file records about the run: models, machine, versions, command."""
+    import shlex
+
+    import torch
+
+    from .. import __version__
+    from ..util.devices import machine_description
+
+    return {
         "target": str(args.target),
         "draft": str(args.draft) if needs_draft else None,
         "dtype": str(gen.verifier.dtype),
@@ -187,17 +256,12 @@ def cli_main(args: Any) -> int:
         if len(sys.argv) > 1 and sys.argv[1] == "bench"
         else None,
     }
-    records = run_bench(
-        gen,
-        config,
-        args.out,
-        cost_model=cost,
-        resume=not args.no_resume,
-        progress=not args.no_progress,
-        dist_info=info,
-        meta=meta,
-        ar_generators=ar_gens,
-    )
+
+
+def _print_summary(args: Any, records: list[dict[str, Any]], info: DistInfo) -> None:
+    """Rank 0 prints the summary table, and where the results went."""
+    from .tables import summary_table
+
     if info.rank == 0:
         print(summary_table(records))
         print(
@@ -205,8 +269,3 @@ def cli_main(args: Any) -> int:
             f"caddtree report {args.out}",
             file=sys.stderr,
         )
-    if info.distributed:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    return 0

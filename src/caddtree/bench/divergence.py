@@ -167,39 +167,16 @@ def explain_divergence(
     context = prompt + ar[:position]
     verifier = gen.verifier
     try:
-        # the AR way, forward for forward as decode() runs it
-        verifier.reset()
-        row, _ = verifier.prefill(prompt)
-        for tok in ar[:position]:
-            logits, _ = verifier.verify(tok, DraftTree.empty())
-            row = logits[0]
-            verifier.commit([0])
+        row = _replay_ar(verifier, prompt, ar[:position])
         ar_top, ar_gap = _top2(row)
         ar_replay = int(torch.argmax(row))
         pair_gap = ar_gap
         if ar_token is not None and method_token is not None:
             pair_gap = float(row[ar_token].double() - row[method_token].double())
-        # the verification way: many query tokens in one forward, over a multi-token prefill
-        verifier.reset()
-        start = max(0, len(context) - window)
-        if start > 0:
-            verifier.prefill(context[:start])
-        chain = context[start + 1 :]
         candidates = [t for t in (ar_token, method_token) if t is not None]
-        vocab = int(row.shape[-1])
-        want = max(len(chain) + len(candidates), min(int(tree_nodes or 0), 1024))
-        n_padding = max(0, want - len(chain) - len(candidates))
-        padding = (t for t in range(vocab) if t not in candidates)
-        below = candidates + list(itertools.islice(padding, n_padding))
-        n_chain = len(chain)
-        tree = DraftTree(
-            token_ids=chain + below,
-            parents=list(range(-1, n_chain - 1)) + [n_chain - 1] * len(below),
-            depths=list(range(1, n_chain + 1)) + [n_chain + 1] * len(below),
-            log_probs=[0.0] * (n_chain + len(below)),
+        tree_row, tree_queries = _replay_verification(
+            verifier, context, candidates, int(row.shape[-1]), window, tree_nodes
         )
-        logits, _ = verifier.verify(context[start], tree)
-        tree_row = logits[n_chain]  # after the bonus and the whole chain
         _, tree_gap = _top2(tree_row)
         tree_token = int(torch.argmax(tree_row))
     finally:
@@ -208,24 +185,7 @@ def explain_divergence(
     dtype = verifier.dtype
     name = dtype_name(dtype)
     threshold = near_tie_threshold(dtype, ar_top)
-    if dtype in _EXACT_DTYPES:
-        near_tie = False
-        verdict = (
-            f"likely a bug: in {name} {method} must reproduce AR token for token; please report "
-            "it with the prompt, models and this output"
-        )
-    elif abs(pair_gap) <= threshold:
-        near_tie = True
-        verdict = (
-            f"{name} near-tie: not a bug (the two forwards round differently and the two tokens "
-            "are within rounding of each other; see docs/bf16-divergence.md)"
-        )
-    else:
-        near_tie = False
-        verdict = (
-            f"real discrepancy: the gap is larger than {name} rounding explains; please report it "
-            "with the prompt, models and this output"
-        )
+    near_tie, verdict = _verdict(dtype, method, pair_gap, threshold)
 
     def text(tok: int | None) -> str:
         if tok is None or gen.tokenizer is None:
@@ -245,9 +205,73 @@ def explain_divergence(
         ar_replay_token=ar_replay,
         tree_top2_gap=tree_gap,
         tree_token=tree_token,
-        tree_queries=len(tree) + 1,
+        tree_queries=tree_queries,
         dtype=name,
         threshold=threshold,
         near_tie=near_tie,
         verdict=verdict,
+    )
+
+
+def _replay_ar(verifier: Any, prompt: list[int], agreed: list[int]) -> torch.Tensor:
+    """The target's logits for the token after ``prompt + agreed``, computed the AR way: a
+    prefill, then one KV-cached forward per agreed token, as decode() runs AR."""
+    verifier.reset()
+    row, _ = verifier.prefill(prompt)
+    for tok in agreed:
+        logits, _ = verifier.verify(tok, DraftTree.empty())
+        row = logits[0]
+        verifier.commit([])
+    return row
+
+
+def _replay_verification(
+    verifier: Any,
+    context: list[int],
+    candidates: list[int],
+    vocab: int,
+    window: int,
+    tree_nodes: int | None,
+) -> tuple[torch.Tensor, int]:
+    """The target's logits for the token after ``context``, computed the verification way: many
+    query tokens in one forward, over a multi-token prefill. Returns them and the number of
+    query tokens."""
+    verifier.reset()
+    start = max(0, len(context) - window)
+    if start > 0:
+        verifier.prefill(context[:start])
+    chain = context[start + 1 :]
+    want = max(len(chain) + len(candidates), min(int(tree_nodes or 0), 1024))
+    n_padding = max(0, want - len(chain) - len(candidates))
+    padding = (t for t in range(vocab) if t not in candidates)
+    below = candidates + list(itertools.islice(padding, n_padding))
+    n_chain = len(chain)
+    tree = DraftTree(
+        token_ids=chain + below,
+        parents=list(range(-1, n_chain - 1)) + [n_chain - 1] * len(below),
+        depths=list(range(1, n_chain + 1)) + [n_chain + 1] * len(below),
+        log_probs=[0.0] * (n_chain + len(below)),
+    )
+    logits, _ = verifier.verify(context[start], tree)
+    return logits[n_chain], len(tree) + 1  # the row after the bonus and the whole chain
+
+
+def _verdict(
+    dtype: torch.dtype, method: str, pair_gap: float, threshold: float
+) -> tuple[bool, str]:
+    """Whether the gap is a rounding near-tie in ``dtype``, and the verdict to print."""
+    name = dtype_name(dtype)
+    if dtype in _EXACT_DTYPES:
+        return False, (
+            f"likely a bug: in {name} {method} must reproduce AR token for token; please report "
+            "it with the prompt, models and this output"
+        )
+    if abs(pair_gap) <= threshold:
+        return True, (
+            f"{name} near-tie: not a bug (the two forwards round differently and the two tokens "
+            "are within rounding of each other; see docs/bf16-divergence.md)"
+        )
+    return False, (
+        f"real discrepancy: the gap is larger than {name} rounding explains; please report it "
+        "with the prompt, models and this output"
     )

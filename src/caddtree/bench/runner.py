@@ -344,8 +344,6 @@ def run_bench(
     ``ar_generators`` maps a dtype name (``"float32"``) to a generator whose target runs in that
     dtype (no drafter needed), for the ``ar-<dtype>`` methods; an ``ar-<dtype>`` in the run's own
     dtype without one uses ``gen``. Each record's ``dtype`` is the dtype its target ran in."""
-    from tqdm.auto import tqdm
-
     config.validate()
     info = dist_info or DistInfo()
     gens = _generators(gen, config.methods, ar_generators or {})
@@ -359,32 +357,81 @@ def run_bench(
     if any(s.family != "ar" for s in config.methods) and gen.proposer is None:
         raise InvalidInputError("drafting methods need a drafter; load the generator with one")
     costs = {s.label: variant_cost_model(cost_model, s.variant) for s in config.methods}
+    setup = _Setup(config, gen, gens, costs)
 
+    run_meta = _run_meta(config, info, meta, cost_model if needs_cost else None)
+    _check_meta(out, run_meta, resume)
+    if info.rank == 0:
+        _start_results(out, run_meta, resume)
+    barrier(info)
+
+    done = {record_key(rec): rec for rec in read_records(out)}
+    todo = _todo(config, done, info)
+    if todo:
+        if config.warmup:
+            _warm_up(setup, todo)
+        _run_todo(setup, todo, done, out, info, progress)
+    if not info.distributed:
+        return list(done.values())
+    return _gather(out, info, list(done.values()))
+
+
+@dataclass
+class _Setup:
+    """What every run of a benchmark needs: the config, the main generator, and by method label
+    the generator and the cost model that method runs with."""
+
+    config: BenchConfig
+    gen: Any
+    gens: dict[str, Any]
+    costs: dict[str, Any]
+
+    def run(
+        self, item: Any, spec: MethodSpec, temperature: float, dataset: str, index: int, **kw: Any
+    ) -> _Outcome:
+        """:func:`_run_prompt` with ``spec``'s generator and cost model."""
+        gen, cost = self.gens[spec.label], self.costs[spec.label]
+        return _run_prompt(gen, item, spec, cost, temperature, self.config, dataset, index, **kw)
+
+
+def _run_meta(
+    config: BenchConfig, info: DistInfo, meta: dict[str, Any] | None, cost_model: Any
+) -> dict[str, Any]:
+    """``meta`` with the settings that change the numbers, and a digest of ``cost_model`` (when
+    the methods use one)."""
     run_meta = dict(meta or {})
     run_meta.setdefault("max_new_tokens", config.max_new_tokens)
     run_meta.setdefault("max_budget", config.max_budget)
     run_meta.setdefault("seed", config.seed)
     run_meta.setdefault("world_size", info.world)
-    if needs_cost:
+    if cost_model is not None:
         digest = json.dumps(cost_model.to_dict(), sort_keys=True, default=str)
         run_meta["cost_model_digest"] = hashlib.sha256(digest.encode()).hexdigest()[:16]
-    _check_meta(out, run_meta, resume)
-    if info.rank == 0:
-        if not resume:
-            for stale in (out, trees_path(out), *rank_files(out), *rank_files(out, True)):
-                stale.unlink(missing_ok=True)
-        _consolidate(out)
-        old = {}
-        if meta_path(out).is_file():
-            with contextlib.suppress(ValueError):
-                old = json.loads(meta_path(out).read_text(encoding="utf-8"))
-        now = datetime.datetime.now().isoformat(timespec="seconds")
-        run_meta["started"] = old.get("started", now) if resume else now
-        run_meta["updated"] = now
-        atomic_write_text(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
-    barrier(info)
+    return run_meta
 
-    done = {record_key(rec): rec for rec in read_records(out)}
+
+def _start_results(out: Path, run_meta: dict[str, Any], resume: bool) -> None:
+    """Rank 0 before the run: clear the old files (without ``resume``), fold in what an
+    interrupted run left, and write the meta file with its start and update times."""
+    if not resume:
+        for stale in (out, trees_path(out), *rank_files(out), *rank_files(out, True)):
+            stale.unlink(missing_ok=True)
+    _consolidate(out)
+    old = {}
+    if meta_path(out).is_file():
+        with contextlib.suppress(ValueError):
+            old = json.loads(meta_path(out).read_text(encoding="utf-8"))
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    run_meta["started"] = old.get("started", now) if resume else now
+    run_meta["updated"] = now
+    atomic_write_text(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
+
+
+def _todo(
+    config: BenchConfig, done: dict[tuple, dict[str, Any]], info: DistInfo
+) -> list[tuple[tuple[float, str, int, Any], MethodSpec]]:
+    """This rank's (work item, method) runs not yet in ``done``, each item's methods in
+    alternating order."""
     items = [
         (t, dataset, i, item)
         for t in config.temperatures
@@ -398,63 +445,65 @@ def run_bench(
         if any((it[1], it[2], s.label, float(it[0])) not in done for s in config.methods)
     ]
     mine = left[info.rank :: info.world]
-    todo = [
+    return [
         (it, spec)
         for j, it in enumerate(mine)
         for spec in alternating_order(config.methods, j)
         if (it[1], it[2], spec.label, float(it[0])) not in done
     ]
+
+
+def _warm_up(setup: _Setup, todo: list[tuple[tuple[float, str, int, Any], MethodSpec]]) -> None:
+    """Untimed: one short prompt per method, so no method pays for warm-up."""
+    t, dataset, i, item = todo[0][0]
+    for spec in setup.config.methods:
+        setup.run(item, spec, 0.0, dataset, i, max_new_tokens=setup.config.warmup_tokens)
+
+
+def _run_todo(
+    setup: _Setup,
+    todo: list[tuple[tuple[float, str, int, Any], MethodSpec]],
+    done: dict[tuple, dict[str, Any]],
+    out: Path,
+    info: DistInfo,
+    progress: bool,
+) -> None:
+    """Time every run of ``todo`` and append its record (and CaDDTree's draft trees) to this
+    rank's files; ``done`` gains each record."""
+    from tqdm.auto import tqdm
+
+    config = setup.config
     part = rank_path(out, info.rank) if info.distributed else out
     tree_part = rank_path(out, info.rank, trees=True) if info.distributed else trees_path(out)
-    if todo:
-        if config.warmup:  # untimed: one short prompt per method, so no method pays for warm-up
-            t, dataset, i, item = todo[0][0]
-            for spec in config.methods:
-                _run_prompt(
-                    gens[spec.label],
-                    item,
-                    spec,
-                    costs[spec.label],
-                    0.0,
-                    config,
-                    dataset,
-                    i,
-                    max_new_tokens=config.warmup_tokens,
-                )
-        bar = tqdm(
-            total=len(todo),
-            desc=f"bench (rank {info.rank})" if info.distributed else "bench",
-            unit="run",
-            disable=not progress,
-        )
-        # AR of a work item may run after other methods (the order alternates): their records
-        # wait for it, to say whether their output is AR's, and are written when it is known
-        ar_todo = {(it[1], it[2], float(it[0])) for it, spec in todo if spec.label == "ar"}
-        waiting: list[dict[str, Any]] = []
-        with open(part, "a", encoding="utf-8") as fh:
-            for (t, dataset, i, item), spec in todo:
-                bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
-                keep = config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
-                g = gens[spec.label]
-                outcome = _run_prompt(
-                    g, item, spec, costs[spec.label], t, config, dataset, i, keep_trees=keep
-                )
-                rec = make_record(dataset, i, item, spec, t, outcome, generator_dtype(g))
-                if keep:  # before the record: once the record is there, the run is done
-                    with open(tree_part, "a", encoding="utf-8") as tf:
-                        for tr in _tree_records(gen, dataset, i, spec, t, outcome):
-                            tf.write(json.dumps(tr) + "\n")
-                done[record_key(rec)] = rec
-                waiting.append(rec)
-                if spec.label == "ar":
-                    ar_todo.discard((dataset, i, float(t)))
-                waiting = _write_settled(fh, waiting, done, ar_todo)
-                bar.update(1)
-            _write_settled(fh, waiting, done, set())
-        bar.close()
-    if not info.distributed:
-        return list(done.values())
-    return _gather(out, info, list(done.values()))
+    bar = tqdm(
+        total=len(todo),
+        desc=f"bench (rank {info.rank})" if info.distributed else "bench",
+        unit="run",
+        disable=not progress,
+    )
+    # AR of a work item may run after other methods (the order alternates): their records
+    # wait for it, to say whether their output is AR's, and are written when it is known
+    ar_todo = {(it[1], it[2], float(it[0])) for it, spec in todo if spec.label == "ar"}
+    waiting: list[dict[str, Any]] = []
+    with open(part, "a", encoding="utf-8") as fh:
+        for (t, dataset, i, item), spec in todo:
+            bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
+            keep = config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
+            outcome = setup.run(item, spec, t, dataset, i, keep_trees=keep)
+            dtype = generator_dtype(setup.gens[spec.label])
+            rec = make_record(dataset, i, item, spec, t, outcome, dtype)
+            if keep:  # before the record: once the record is there, the run is done
+                with open(tree_part, "a", encoding="utf-8") as tf:
+                    for tr in _tree_records(setup.gen, dataset, i, spec, t, outcome):
+                        tf.write(json.dumps(tr) + "\n")
+            done[record_key(rec)] = rec
+            waiting.append(rec)
+            if spec.label == "ar":
+                ar_todo.discard((dataset, i, float(t)))
+            waiting = _write_settled(fh, waiting, done, ar_todo)
+            bar.update(1)
+        _write_settled(fh, waiting, done, set())
+    bar.close()
 
 
 def alternating_order(items: Sequence[T], k: int) -> list[T]:

@@ -151,6 +151,27 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
 
     Records without a time (``ms_per_token`` null: the prompt generated no tokens, e.g. it did not
     fit the model's context) are left out, with a note in ``notes``."""
+    groups, unmeasured, cut_short = _group_records(records)
+    summaries = {key: _summarise(key, recs) for key, recs in groups.items()}
+    ar_runs, baselines = _apply_baselines(summaries)
+    agg = Aggregates(
+        summaries=summaries,
+        oracles={},
+        records=groups,
+        baselines={key: base.method for key, base in baselines.items()},
+    )
+    _note_baselines(agg, ar_runs, baselines)
+    _note_left_out(agg, unmeasured, cut_short)
+    _find_oracles(agg)
+    _note_oracle_budgets(agg)
+    return agg
+
+
+def _group_records(
+    records: Iterable[dict[str, Any]],
+) -> tuple[dict[tuple[float, str, str], list[dict[str, Any]]], list[dict[str, Any]], int]:
+    """The timed records by (temperature, dataset, method), each group by prompt index; the
+    records without a time; how many timed records stopped early."""
     groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
     unmeasured: list[dict[str, Any]] = []
     cut_short = 0
@@ -163,37 +184,46 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
         groups.setdefault(key, []).append(rec)
     for recs in groups.values():
         recs.sort(key=lambda r: r["prompt_index"])
+    return groups, unmeasured, cut_short
 
-    summaries: dict[tuple[float, str, str], MethodSummary] = {}
-    for (t, d, m), recs in groups.items():
-        ms = np.array([r["ms_per_token"] for r in recs], dtype=np.float64)
-        committed = sum(sum(r["committed"]) for r in recs)
-        n_rounds = sum(len(r["committed"]) for r in recs)
-        budgets = np.array([b for r in recs for b in r["budgets"]], dtype=np.float64)
-        verdicts = [r.get("matches_ar") for r in recs if r.get("matches_ar") is not None]
-        dtypes = {r.get("dtype") for r in recs}
-        first = recs[0]
-        summaries[(t, d, m)] = MethodSummary(
-            temperature=t,
-            dataset=d,
-            method=m,
-            family=first["family"],
-            budget=first["budget"],
-            variant=first["variant"],
-            prompts=len(recs),
-            ms_per_token=float(np.median(ms)),
-            ms_per_token_mean=float(ms.mean()),
-            tau=committed / n_rounds if n_rounds else math.nan,
-            budget_mean=float(budgets.mean()) if budgets.size else math.nan,
-            budget_std=float(budgets.std()) if budgets.size else math.nan,
-            rounds=n_rounds,
-            new_tokens=sum(r["new_tokens"] for r in recs),
-            matches_ar=sum(1 for v in verdicts if v),
-            matches_ar_known=len(verdicts),
-            speedup=None,
-            dtype=dtypes.pop() if len(dtypes) == 1 else None,
-        )
-    # the speed-up baseline: the fastest plain decoding of each (temperature, dataset)
+
+def _summarise(key: tuple[float, str, str], recs: list[dict[str, Any]]) -> MethodSummary:
+    """One group's summary, without a speed-up (:func:`_apply_baselines` adds it)."""
+    t, d, m = key
+    ms = np.array([r["ms_per_token"] for r in recs], dtype=np.float64)
+    committed = sum(sum(r["committed"]) for r in recs)
+    n_rounds = sum(len(r["committed"]) for r in recs)
+    budgets = np.array([b for r in recs for b in r["budgets"]], dtype=np.float64)
+    verdicts = [r.get("matches_ar") for r in recs if r.get("matches_ar") is not None]
+    dtypes = {r.get("dtype") for r in recs}
+    first = recs[0]
+    return MethodSummary(
+        temperature=t,
+        dataset=d,
+        method=m,
+        family=first["family"],
+        budget=first["budget"],
+        variant=first["variant"],
+        prompts=len(recs),
+        ms_per_token=float(np.median(ms)),
+        ms_per_token_mean=float(ms.mean()),
+        tau=committed / n_rounds if n_rounds else math.nan,
+        budget_mean=float(budgets.mean()) if budgets.size else math.nan,
+        budget_std=float(budgets.std()) if budgets.size else math.nan,
+        rounds=n_rounds,
+        new_tokens=sum(r["new_tokens"] for r in recs),
+        matches_ar=sum(1 for v in verdicts if v),
+        matches_ar_known=len(verdicts),
+        speedup=None,
+        dtype=dtypes.pop() if len(dtypes) == 1 else None,
+    )
+
+
+def _apply_baselines(
+    summaries: dict[tuple[float, str, str], MethodSummary],
+) -> tuple[dict[tuple[float, str], list[MethodSummary]], dict[tuple[float, str], MethodSummary]]:
+    """Give every summary its speed-up over the fastest plain decoding of its (temperature,
+    dataset). Returns the AR runs and that baseline, by (temperature, dataset)."""
     ar_runs: dict[tuple[float, str], list[MethodSummary]] = {}
     for s in summaries.values():
         if s.family == "ar":
@@ -208,13 +238,16 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
             summaries[key] = replace(
                 s, speedup=base.ms_per_token / s.ms_per_token, baseline=base.method
             )
+    return ar_runs, baselines
 
-    agg = Aggregates(
-        summaries=summaries,
-        oracles={},
-        records=groups,
-        baselines={key: base.method for key, base in baselines.items()},
-    )
+
+def _note_baselines(
+    agg: Aggregates,
+    ar_runs: dict[tuple[float, str], list[MethodSummary]],
+    baselines: dict[tuple[float, str], MethodSummary],
+) -> None:
+    """A note for each (temperature, dataset) with more than one AR run: which one is the
+    baseline, and the others' times."""
     for (t, d), runs in sorted(ar_runs.items(), key=lambda kv: (kv[0][0], dataset_key(kv[0][1]))):
         if len(runs) > 1:
             base = baselines[(t, d)]
@@ -228,6 +261,10 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
                 f"{base.method} ({base.ms_per_token:.2f} ms/tok), the fastest plain decoding "
                 f"({others} ms/tok)."
             )
+
+
+def _note_left_out(agg: Aggregates, unmeasured: list[dict[str, Any]], cut_short: int) -> None:
+    """Notes on the records without a time and on those that stopped early."""
     if unmeasured:
         first = unmeasured[0]
         why = f": {first['skipped']}" if first.get("skipped") else ""
@@ -240,6 +277,11 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
             f"{cut_short} records stopped early (a later turn did not fit the model's context, "
             "see their 'skipped'); their measured turns are included."
         )
+
+
+def _find_oracles(agg: Aggregates) -> None:
+    """The DDTree-oracle of each (temperature, dataset), and a note where its methods ran on
+    different numbers of prompts."""
     for t in agg.temperatures():
         for d in agg.datasets(t):
             runs = agg.ddtree(t, d)
@@ -256,6 +298,11 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
                     f"different numbers of prompts ({detail}), so their medians are over different "
                     "prompt sets."
                 )
+
+
+def _note_oracle_budgets(agg: Aggregates) -> None:
+    """A note for each dataset whose DDTree-oracle budget at a temperature above 0 differs from
+    its budget at temperature 0."""
     for t in agg.temperatures():
         if t == 0.0:
             continue
@@ -269,7 +316,6 @@ def aggregate(records: Iterable[dict[str, Any]]) -> Aggregates:
                     "the best budget per temperature; the paper's temperature-1 table reuses the "
                     "temperature-0 budget."
                 )
-    return agg
 
 
 def ar_title(agg: Aggregates, temperature: float, label: str) -> str:

@@ -170,66 +170,9 @@ def table1(agg: Aggregates, temperature: float) -> Table:
     if not several:
         labels = ["ar"]
     k = len(labels)
-    rows = []
-    for d in agg.datasets(temperature):
-        ars = [agg.get(temperature, d, label) for label in labels]
-        base = agg.baseline(temperature, d)
-        dflash = agg.get(temperature, d, "dflash")
-        ca = agg.get(temperature, d, "caddtree")
-        oracle = agg.oracle(temperature, d)
-        times = _bold_lowest(
-            [
-                *(_num(ar.ms_per_token) if ar else MISSING for ar in ars),
-                _num(dflash.ms_per_token) if dflash else MISSING,
-                _num(oracle.ms_per_token) if oracle else MISSING,
-                _num(ca.ms_per_token) if ca else MISSING,
-            ]
-        )
-        ar_cells = times[:k]
-        if several:  # mark the baseline in LaTeX (Markdown names it in its own column)
-            ar_cells = [
-                replace(c, tex=c.tex + r"$^\dagger$") if ar is not None and ar is base else c
-                for c, ar in zip(ar_cells, ars)
-            ]
-        row = [
-            _text(dataset_name(d)),
-            *ar_cells,
-            times[k],
-            _num(dflash.tau) if dflash else MISSING,
-            times[k + 1],
-            _num(oracle.tau) if oracle else MISSING,
-            _int(oracle.budget) if oracle else MISSING,
-            times[k + 2],
-            _num(ca.tau) if ca else MISSING,
-            _budget(ca.budget_mean, ca.budget_std) if ca else MISSING,
-            _speedup(ca.speedup) if ca else MISSING,
-        ]
-        if several:
-            row.append(_text(base.method) if base else MISSING)
-        rows.append(row)
+    rows = [_table1_row(agg, temperature, d, labels, several) for d in agg.datasets(temperature)]
     t = temperature_label(temperature)
-    if several:
-        ar_head = rf"\multicolumn{{{k}}}{{c}}{{\textbf{{AR}} ms/tok}}" if k > 1 else r"\textbf{AR}"
-        ar_rule = rf"\cmidrule(lr){{2-{1 + k}}}" if k > 1 else ""
-        ar_sub = " & ".join(
-            _latex_escape(title[3:] if title.startswith("AR ") else "run dtype")
-            for title in (ar_title(agg, temperature, label) for label in labels)
-        )
-    else:
-        ar_head, ar_rule, ar_sub = r"\textbf{AR}", "", "ms/tok"
-
-    def span(a: int, b: int) -> str:
-        return rf"\cmidrule(lr){{{a + k - 1}-{b + k - 1}}}"
-
-    header = "\n".join(
-        [
-            rf" & {ar_head} & \multicolumn{{2}}{{c}}{{\textbf{{DFlash}}}} & "
-            r"\multicolumn{3}{c}{\textbf{DDTree-oracle}} & \multicolumn{3}{c}{\textbf{CaDDTree}} \\",
-            ar_rule + span(3, 4) + span(5, 7) + span(8, 10),
-            rf"\textbf{{Dataset}} & {ar_sub} & ms/tok & $\tau$ & ms/tok & $\tau$ & $n^*$ "
-            r"& ms/tok & $\tau$ & $\bar{n}^*(\sigma)$ \\",
-        ]
-    )
+    header = _table1_latex_header(agg, temperature, labels, several)
     caption = (
         "Per-token generation time (ms/tok, median over prompts; lower is better) and mean "
         f"acceptance length $\\tau$ at temperature~{t}. $n^*$ is the oracle's best grid "
@@ -269,6 +212,78 @@ def table1(agg: Aggregates, temperature: float) -> Table:
         latex_header=header,
         markdown_only=markdown_only,
         wide=True,
+    )
+
+
+def _table1_row(
+    agg: Aggregates, temperature: float, d: str, labels: list[str], several: bool
+) -> list[Cell]:
+    """Table 1's row for dataset ``d``: one AR column per label in ``labels``, and with
+    ``several`` the baseline marked in LaTeX and named in a last column."""
+    k = len(labels)
+    ars = [agg.get(temperature, d, label) for label in labels]
+    base = agg.baseline(temperature, d)
+    dflash = agg.get(temperature, d, "dflash")
+    ca = agg.get(temperature, d, "caddtree")
+    oracle = agg.oracle(temperature, d)
+    times = _bold_lowest(
+        [
+            *(_num(ar.ms_per_token) if ar else MISSING for ar in ars),
+            _num(dflash.ms_per_token) if dflash else MISSING,
+            _num(oracle.ms_per_token) if oracle else MISSING,
+            _num(ca.ms_per_token) if ca else MISSING,
+        ]
+    )
+    ar_cells = times[:k]
+    if several:  # mark the baseline in LaTeX (Markdown names it in its own column)
+        ar_cells = [
+            replace(c, tex=c.tex + r"$^\dagger$") if ar is not None and ar is base else c
+            for c, ar in zip(ar_cells, ars)
+        ]
+    row = [
+        _text(dataset_name(d)),
+        *ar_cells,
+        times[k],
+        _num(dflash.tau) if dflash else MISSING,
+        times[k + 1],
+        _num(oracle.tau) if oracle else MISSING,
+        _int(oracle.budget) if oracle else MISSING,
+        times[k + 2],
+        _num(ca.tau) if ca else MISSING,
+        _budget(ca.budget_mean, ca.budget_std) if ca else MISSING,
+        _speedup(ca.speedup) if ca else MISSING,
+    ]
+    if several:
+        row.append(_text(base.method) if base else MISSING)
+    return row
+
+
+def _table1_latex_header(
+    agg: Aggregates, temperature: float, labels: list[str], several: bool
+) -> str:
+    """Table 1's LaTeX header lines: the method groups, their rules and the column names."""
+    k = len(labels)
+    if several:
+        ar_head = rf"\multicolumn{{{k}}}{{c}}{{\textbf{{AR}} ms/tok}}" if k > 1 else r"\textbf{AR}"
+        ar_rule = rf"\cmidrule(lr){{2-{1 + k}}}" if k > 1 else ""
+        ar_sub = " & ".join(
+            _latex_escape(title[3:] if title.startswith("AR ") else "run dtype")
+            for title in (ar_title(agg, temperature, label) for label in labels)
+        )
+    else:
+        ar_head, ar_rule, ar_sub = r"\textbf{AR}", "", "ms/tok"
+
+    def span(a: int, b: int) -> str:
+        return rf"\cmidrule(lr){{{a + k - 1}-{b + k - 1}}}"
+
+    return "\n".join(
+        [
+            rf" & {ar_head} & \multicolumn{{2}}{{c}}{{\textbf{{DFlash}}}} & "
+            r"\multicolumn{3}{c}{\textbf{DDTree-oracle}} & \multicolumn{3}{c}{\textbf{CaDDTree}} \\",
+            ar_rule + span(3, 4) + span(5, 7) + span(8, 10),
+            rf"\textbf{{Dataset}} & {ar_sub} & ms/tok & $\tau$ & ms/tok & $\tau$ & $n^*$ "
+            r"& ms/tok & $\tau$ & $\bar{n}^*(\sigma)$ \\",
+        ]
     )
 
 

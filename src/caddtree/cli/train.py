@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from ..arguments import add_target_argument
 from ..util.checks import check_int
@@ -15,17 +16,65 @@ def train_drafter(args: argparse.Namespace) -> int:
     """Train a DFlash drafter for a target: regenerate responses with the frozen target, cache its
     context features, then train with anchor blocks. Resumes from OUTPUT if it holds a run."""
     import json
-    import random
     import time
+    from pathlib import Path
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..api import eos_token_ids
-    from ..models.packing import pack_linear_layers
-    from ..train import TrainConfig, prepare_data, train_drafter
-    from ..train import prompts as prompt_data
+    from ..train import train_drafter as train
     from ..util.devices import resolve_device, resolve_dtype
+
+    _check_prompt_counts(args)
+    config = _train_config(args)
+    target_dir = args.target
+    if target_dir is None:
+        from ..util.defaults import default_target_dir
+
+        target_dir = default_target_dir()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    user_prompts = None
+    if args.prompts:
+        from ..train.magpie import read_prompt_file
+
+        user_prompts = read_prompt_file(args.prompts)  # before any slow work: fail fast
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    target, tokenizer, stops = _load_target(target_dir, dtype, device)
+    timings: dict[str, float] = {}
+    sources = _builtin_sources(args)
+    if args.magpie:
+        kept = _magpie_prompts(args, target, tokenizer, stops, out, timings)
+        sources["magpie"] = lambda: kept
+    if user_prompts is not None:
+        sources["file"] = lambda: user_prompts
+    prompt_set = _choose_prompts(args, config, tokenizer, sources, out)
+    data = _make_data(args, target, tokenizer, prompt_set.prompts, out, stops, timings)
+    _write_heldout_prompts(data, config, prompt_set.prompts, out)
+    if args.data_only:
+        return 0
+    t0 = time.perf_counter()
+    final = train(
+        target,
+        data,
+        out,
+        config,
+        stop_after=args.stop_after,
+        stop_token_ids=stops,
+        init_from=args.init_from,
+    )
+    timings["train_s"] = round(time.perf_counter() - t0, 1)
+    record = _run_record(target_dir, dtype, device, prompt_set, data, config, out, final, timings)
+    (out / "run.json").write_text(json.dumps(record, indent=1))
+    if args.export:
+        _export_drafter(args, out)
+    print(json.dumps(final))
+    return 0
+
+
+def _check_prompt_counts(args: argparse.Namespace) -> None:
+    """Check the count options before any work; --code may not ask for more prompts than the
+    standard library gives."""
+    from ..train import prompts as prompt_data
 
     check_int("--stop-after", args.stop_after, allow_none=True)
     check_int("--max-prompts", args.max_prompts, allow_none=True)
@@ -43,6 +92,11 @@ def train_drafter(args: argparse.Namespace) -> int:
             f"gives ({code_pool}); use at most that many, or add "
             "prompts of your own with --prompts"
         )
+
+
+def _train_config(args: argparse.Namespace) -> Any:
+    """The validated :class:`caddtree.train.TrainConfig` of the options."""
+    from ..train import TrainConfig
 
     config = TrainConfig(
         block_size=args.block_size,
@@ -62,20 +116,15 @@ def train_drafter(args: argparse.Namespace) -> int:
         dpace_alpha=args.dpace_alpha,
     )
     config.validate()
-    target_dir = args.target
-    if target_dir is None:
-        from ..util.defaults import default_target_dir
+    return config
 
-        target_dir = default_target_dir()
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    user_prompts = None
-    if args.prompts:
-        from ..train.magpie import read_prompt_file
 
-        user_prompts = read_prompt_file(args.prompts)  # before any slow work: fail fast
-    out = __import__("pathlib").Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+def _load_target(target_dir: Any, dtype: Any, device: Any) -> tuple[Any, Any, list[int]]:
+    """The frozen target (linear layers packed), its tokenizer and its stop token ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..api import eos_token_ids
+    from ..models.packing import pack_linear_layers
 
     target = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=dtype, attn_implementation="sdpa"
@@ -86,7 +135,14 @@ def train_drafter(args: argparse.Namespace) -> int:
     pack_linear_layers(target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     stops = sorted(eos_token_ids(tokenizer, target))
-    timings = {}
+    return target, tokenizer, stops
+
+
+def _builtin_sources(args: argparse.Namespace) -> dict[str, Any]:
+    """The built-in prompt sources by name, each a function giving its prompts."""
+    import random
+
+    from ..train import prompts as prompt_data
 
     rng = random.Random(args.seed)
     sources: dict = {
@@ -97,30 +153,48 @@ def train_drafter(args: argparse.Namespace) -> int:
         ),
         "math": lambda: prompt_data.synthetic_math_prompts(args.math, seed=args.seed),
     }
-    magpie_report = None
-    if args.magpie:
-        from ..train.magpie import filter_queries, generate_queries
+    return sources
 
-        t0 = time.perf_counter()
-        raw = generate_queries(
-            target,
-            tokenizer,
-            args.magpie,
-            out / "magpie_raw.jsonl",
-            seed=args.seed,
-            stop_token_ids=stops,
-        )
-        timings["magpie_s"] = round(time.perf_counter() - t0, 1)
-        magpie_report = filter_queries(raw)
-        print(
-            f"Magpie: {len(magpie_report.kept)} of {len(raw)} sampled queries kept "
-            f"(dropped: {dict(magpie_report.dropped)})",
-            file=sys.stderr,
-        )
-        sources["magpie"] = lambda: magpie_report.kept
-    if user_prompts is not None:
-        sources["file"] = lambda: user_prompts
+
+def _magpie_prompts(
+    args: argparse.Namespace,
+    target: Any,
+    tokenizer: Any,
+    stops: list[int],
+    out: Any,
+    timings: dict[str, float],
+) -> list[Any]:
+    """Sample --magpie user queries from the target and keep those the filter passes."""
+    import time
+
+    from ..train.magpie import filter_queries, generate_queries
+
+    t0 = time.perf_counter()
+    raw = generate_queries(
+        target,
+        tokenizer,
+        args.magpie,
+        out / "magpie_raw.jsonl",
+        seed=args.seed,
+        stop_token_ids=stops,
+    )
+    timings["magpie_s"] = round(time.perf_counter() - t0, 1)
+    magpie_report = filter_queries(raw)
+    print(
+        f"Magpie: {len(magpie_report.kept)} of {len(raw)} sampled queries kept "
+        f"(dropped: {dict(magpie_report.dropped)})",
+        file=sys.stderr,
+    )
+    return magpie_report.kept
+
+
+def _choose_prompts(
+    args: argparse.Namespace, config: Any, tokenizer: Any, sources: dict[str, Any], out: Any
+) -> Any:
+    """The training prompts: those of an earlier run's data first, in their order, then new
+    ones from ``sources``."""
     from ..train import TrainingData, chat_prompt_ids, split_samples
+    from ..train import prompts as prompt_data
 
     # responses made earlier stay first, in their order, and new prompts are appended after
     # them; the held-out side of each of their samples is recorded before the data grows
@@ -143,11 +217,28 @@ def train_drafter(args: argparse.Namespace) -> int:
         f"(dropped {prompt_set.overlap} overlapping a benchmark, {prompt_set.duplicates} duplicates)",
         file=sys.stderr,
     )
+    return prompt_set
+
+
+def _make_data(
+    args: argparse.Namespace,
+    target: Any,
+    tokenizer: Any,
+    prompts: list[Any],
+    out: Any,
+    stops: list[int],
+    timings: dict[str, float],
+) -> Any:
+    """Generate (or extend) the training data: the target's responses to ``prompts``."""
+    import time
+
+    from ..train import prepare_data
+
     t0 = time.perf_counter()
     data = prepare_data(
         target,
         tokenizer,
-        prompt_set.prompts,
+        prompts,
         out / "data.safetensors",
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
@@ -159,35 +250,46 @@ def train_drafter(args: argparse.Namespace) -> int:
         f"training data: {len(data.sequences)} samples, {response_tokens} response tokens",
         file=sys.stderr,
     )
-    # the held-out samples' prompts, e.g. for `caddtree bench --prompts` to compare drafters on
-    # prompts no training step saw
+    return data
+
+
+def _write_heldout_prompts(data: Any, config: Any, prompts: list[Any], out: Any) -> None:
+    """Write the held-out samples' prompts, e.g. for `caddtree bench --prompts` to compare
+    drafters on prompts no training step saw."""
+    import json
+
+    from ..train import split_samples
     from ..util.files import atomic_write_text
 
-    heldout = [prompt_set.prompts[i] for i in split_samples(data, config, out / "split.json")[1]]
+    heldout = [prompts[i] for i in split_samples(data, config, out / "split.json")[1]]
     atomic_write_text(
         out / "heldout_prompts.jsonl",
         "".join(json.dumps({"prompt": p}) + "\n" for p in heldout if isinstance(p, str)),
     )
-    if args.data_only:
-        return 0
-    t0 = time.perf_counter()
-    final = train_drafter(
-        target,
-        data,
-        out,
-        config,
-        stop_after=args.stop_after,
-        stop_token_ids=stops,
-        init_from=args.init_from,
-    )
-    timings["train_s"] = round(time.perf_counter() - t0, 1)
+
+
+def _run_record(
+    target_dir: Any,
+    dtype: Any,
+    device: Any,
+    prompt_set: Any,
+    data: Any,
+    config: Any,
+    out: Any,
+    final: Any,
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    """What ``run.json`` records: the command, the target, the prompts, the data, the config,
+    the draft vocabulary, the final evaluation and the timings."""
+    import torch
+
     from ..train import draft_vocab_coverage, load_trained_drafter
 
     ids = load_trained_drafter(out).draft_token_ids
     draft_vocab = None
     if ids is not None:
         draft_vocab = {"size": ids.numel(), "coverage": draft_vocab_coverage(data, ids)}
-    record = {
+    return {
         "command": "caddtree " + " ".join(sys.argv[1:]) if sys.argv else "",
         "target": str(target_dir),
         "dtype": str(dtype),
@@ -208,17 +310,20 @@ def train_drafter(args: argparse.Namespace) -> int:
         "timings": timings,
         "torch": torch.__version__,
     }
-    (out / "run.json").write_text(json.dumps(record, indent=1))
-    if args.export:
-        from ..models import DFlashDraftModel
 
-        drafter = DFlashDraftModel.from_pretrained(
-            out / "checkpoint", dtype=resolve_dtype(args.export_dtype, torch.device("cpu"))
-        )
-        drafter.save_pretrained(args.export)
-        print(f"exported the drafter to {args.export}", file=sys.stderr)
-    print(json.dumps(final))
-    return 0
+
+def _export_drafter(args: argparse.Namespace, out: Any) -> None:
+    """Write the trained drafter to --export (released format) in --export-dtype."""
+    import torch
+
+    from ..models import DFlashDraftModel
+    from ..util.devices import resolve_dtype
+
+    drafter = DFlashDraftModel.from_pretrained(
+        out / "checkpoint", dtype=resolve_dtype(args.export_dtype, torch.device("cpu"))
+    )
+    drafter.save_pretrained(args.export)
+    print(f"exported the drafter to {args.export}", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -229,6 +334,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=train_drafter.__doc__,
     )
     add_target_argument(p)
+    _add_data_options(p)
+    _add_training_options(p)
+    p.set_defaults(handler=train_drafter)
+
+
+def _add_data_options(p: argparse.ArgumentParser) -> None:
+    """The run directory, the prompt sources and the data generation options."""
     p.add_argument(
         "--output",
         required=True,
@@ -270,6 +382,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="where the target generates data and features and the drafter trains: cpu, cuda, "
         "cuda:1 ... (default: cuda if available); a run may move between devices and resume",
     )
+
+
+def _add_training_options(p: argparse.ArgumentParser) -> None:
+    """The drafter's shape, the training schedule and loss, and the export options."""
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-layers", type=int, default=1, help="drafter layers")
     p.add_argument(
@@ -321,4 +437,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--export", help="also write the final drafter here (released format)")
     p.add_argument("--export-dtype", default="bfloat16")
-    p.set_defaults(handler=train_drafter)

@@ -242,7 +242,7 @@ def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float
 
     def verify(tree: DraftTree) -> None:
         verifier.verify(0, tree)
-        verifier.commit([])
+        verifier.discard()
 
     try:
         verifier.reset(reserve=_profile_reserve(longest, counts))  # as the profile reserves it
@@ -251,7 +251,7 @@ def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float
         largest_s = _timed(lambda: verify(largest), devices)
         empty_s = _timed(lambda: verify(DraftTree.empty()), devices)
         proposer.reset()
-        draft_s = _timed(lambda: proposer.propose(0, features[0]), devices)
+        draft_s = _timed(lambda: proposer.propose(0, features[0]).rows(), devices)
     finally:
         verifier.reset()
         proposer.reset()
@@ -336,7 +336,7 @@ def profile_cost_model(
 
                 def verify_once(tree: DraftTree = tree) -> None:
                     verifier.verify(bonus, tree)
-                    verifier.commit([])  # discard: the cache stays at `length` tokens
+                    verifier.discard()  # discard: the cache stays at `length` tokens
 
                 seconds = _timed(verify_once, [device])
                 if p >= warmup:
@@ -357,7 +357,7 @@ def profile_cost_model(
 
         def draft_once(start: int = start, tail: torch.Tensor = tail) -> None:
             proposer.crop(start)
-            proposer.propose(bonus, tail)
+            proposer.propose(bonus, tail).rows()  # the whole block projected
 
         draft_times.append(_median_time(draft_once, warmup, trials, draft_devices))
         bar.update(1)

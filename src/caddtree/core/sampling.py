@@ -261,9 +261,9 @@ def walk_tree(
     committed token, the bonus included) followed by the tokens on the tree path down to and
     including the node, so a repetition penalty sees exactly what plain decoding would have seen
     there. ``context`` may be ``None`` when the sampler does not read it
-    (:attr:`Sampler.needs_context`). Returns the accepted path as indices into
-    ``[bonus] + nodes`` (``0`` first) and the next bonus token: the target's choice after the
-    last accepted node, which no child carries.
+    (:attr:`Sampler.needs_context`). Returns the accepted nodes (tree node indices, from the
+    root down) and the next bonus token: the target's choice after the last accepted node, which
+    no child carries. The row of ``logits`` of node ``k`` is ``k + 1``.
     """
     track = context is not None and sampler.needs_context
     if sampler.greedy and not sampler.processors and len(tree):
@@ -276,15 +276,15 @@ def walk_tree(
         def choose(row: int, depth: int) -> int:
             return sampler.choose(logits[row], context.ids(depth) if track else None)
 
-    path = [0]
+    nodes: list[int] = []
     node = -1
     while True:
-        depth = len(path) - 1  # tokens of the tree path after the committed ones
+        depth = len(nodes)  # tokens of the tree path after the committed ones
         token = choose(node + 1, depth)
         child = tree.child_with_token(node, token) if len(tree) else -1
         if child < 0:
-            return path, token
+            return nodes, token
         if track:
             context.put(depth, token)
-        path.append(child + 1)
+        nodes.append(child)
         node = child

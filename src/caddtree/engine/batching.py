@@ -39,7 +39,7 @@ from ..models.proposer import DraftLogits
 from ..models.target import tree_position_ids
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
-from .decoding import RoundStats, _stop_point
+from .decoding import RoundStats, stop_point
 from .requests import GenerationRequest
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
@@ -245,14 +245,10 @@ class BatchDecoder:
         self._skip = (batch, left - 1)
         return all(r.request.policy.name == "caddtree" for r in self._running)
 
-    def _mapped(self, tree: DraftTree) -> DraftTree:
-        token_map = self.proposer.token_map if self.proposer is not None else None
-        return tree.map_tokens(token_map) if token_map is not None and len(tree) else tree
-
     def _tree(self, running: _Running, draft: DraftLogits | None) -> DraftTree:
         if draft is None:
             return DraftTree.empty()
-        return self._mapped(running.request.policy.build(draft, running.length))
+        return draft.in_target_ids(running.request.policy.build(draft, running.length))
 
     def _joint_trees(self, drafts: list[DraftLogits | None]) -> list[DraftTree] | None:
         """Every request's tree from one joint budget (:func:`~caddtree.core.tree.
@@ -277,7 +273,9 @@ class BatchDecoder:
         if present:  # a round that drafted: did it pay?
             self._judge_drafting(chosen, costs, table[batch - 1] - model.draft_cost)
         built = iter(chosen)
-        return [self._mapped(next(built)) if d is not None else DraftTree.empty() for d in drafts]
+        return [
+            d.in_target_ids(next(built)) if d is not None else DraftTree.empty() for d in drafts
+        ]
 
     def _judge_drafting(self, trees: list[DraftTree], costs: np.ndarray, plain_cost: float) -> None:
         """After a joint round that drafted: if its surrogate, drafting included, is below batched plain
@@ -303,29 +301,30 @@ class BatchDecoder:
         self, running: _Running, tree: DraftTree, logits: torch.Tensor, features: torch.Tensor
     ) -> None:
         request = running.request
-        path, next_bonus = walk_tree(tree, logits, request.sampler, running.context)
-        tokens = [int(tree.token_ids[i - 1]) for i in path[1:]] + [next_bonus]
+        nodes, next_bonus = walk_tree(tree, logits, request.sampler, running.context)
+        tokens = [int(tree.token_ids[k]) for k in nodes] + [next_bonus]
         request.rounds += 1
-        request.accepted += len(path) - 1
+        request.accepted += len(nodes)
         before = len(request.output)
         self._commit_tokens(running, tokens)
         request.round_stats.append(
             RoundStats(
                 context_length=running.length,
                 budget=len(tree),
-                accepted=len(path) - 1,
+                accepted=len(nodes),
                 committed=len(request.output) - before,
                 draft_s=0.0,
                 tree_s=0.0,
                 verify_s=0.0,
                 phi=tree.phi,
-                path=[i - 1 for i in path[1:]],
+                path=nodes,
             )
         )
         if request.stop_reason is None:
-            self.target.compact(running.slot, running.length, path)
-            running.length += len(path)
-            accepted = features[torch.tensor(path, device=features.device)]
+            rows = [0, *(k + 1 for k in nodes)]  # the verification's rows: node k is row k + 1
+            self.target.compact(running.slot, running.length, rows)
+            running.length += len(rows)
+            accepted = features[torch.tensor(rows, device=features.device)]
             # the drafter has not seen them yet: kept (with any of rounds it skipped) until it has
             if request.policy.needs_drafter:
                 accepted = torch.cat([running.features, accepted])
@@ -338,7 +337,7 @@ class BatchDecoder:
         request = running.request
         room = request.max_new_tokens - len(request.output)
         stops, criteria = set(request.stop_token_ids), request.stopping_criteria
-        keep, reason = _stop_point(tokens, room, stops, criteria, running.context)
+        keep, reason = stop_point(tokens, room, stops, criteria, running.context)
         request.output.extend(tokens[:keep])
         if running.context is not None and reason is None:
             running.context.commit(tokens[:keep])

@@ -26,19 +26,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from ..core.sampling import Sampler, TokenContext, walk_tree
 from ..core.tree import DraftTree, build_caddtree, build_chain, build_ddtree
 from ..util.checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
 from ..util.errors import InvalidInputError
+from .stats import GenerationResult, GenerationStats, RoundStats
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..core.candidates import DraftInput
     from ..core.cost import CostModel
+    from ..models.proposer import DraftLogits
     from ..models.target import TreeVerifier
 
 __all__ = [
@@ -69,17 +71,15 @@ class Proposer(Protocol):
     """What the round loop needs from a drafter (the proposer of docs/design.md's round).
 
     ``propose(bonus, new_context_features)`` returns the draft logits of the block after
-    ``bonus``, ``[B-1, V]`` (a tensor, or :class:`~caddtree.core.tree.DraftRows` computed on demand);
-    ``new_context_features`` are the target's features of the tokens committed since the last
-    call. ``reset()`` forgets everything (a new prompt); ``crop(length)`` forgets the context past
-    its first ``length`` tokens; ``context_length`` is how many tokens the proposer has seen.
-    :class:`~caddtree.models.proposer.DFlashProposer` is one. Two members are optional, and
-    :func:`decode` uses them when present: ``propose_lazy`` (preferred to ``propose``: rows
-    projected on demand) and ``token_map`` (target id of each draft id, for a drafter with its
-    own draft vocabulary).
+    ``bonus``, ``[B-1, V]``, as :class:`~caddtree.models.proposer.DraftLogits` (which carries the
+    map from a draft vocabulary to the target's); ``new_context_features`` are the target's
+    features of the tokens committed since the last call. ``reset()`` forgets everything (a new
+    prompt); ``crop(length)`` forgets the context past its first ``length`` tokens;
+    ``context_length`` is how many tokens the proposer has seen.
+    :class:`~caddtree.models.proposer.DFlashProposer` is one.
     """
 
-    def propose(self, bonus_token: int, new_context_features: torch.Tensor) -> Any: ...
+    def propose(self, bonus_token: int, new_context_features: torch.Tensor) -> DraftLogits: ...
 
     def reset(self) -> None: ...
 
@@ -90,12 +90,15 @@ class Proposer(Protocol):
 
 
 class TreePolicy(Protocol):
-    """Chooses the draft tree of a round from the drafter's logits."""
+    """Chooses the draft tree of a round from the drafter's logits. ``reserve_nodes`` is how
+    many tree nodes a call reserves cache room for after the output (a tree may still be larger:
+    the cache then grows)."""
 
     name: str
     needs_drafter: bool
+    reserve_nodes: int
 
-    def build(self, draft_logits: Any, context_length: int) -> DraftTree: ...
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree: ...
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,9 @@ class NoTree:
 
     name: str = "ar"
     needs_drafter: bool = False
+    reserve_nodes: int = 0
 
-    def build(self, draft_logits: Any, context_length: int) -> DraftTree:
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return DraftTree.empty()
 
 
@@ -115,8 +119,9 @@ class Chain:
 
     name: str = "dflash"
     needs_drafter: bool = True
+    reserve_nodes: int = DEFAULT_DDTREE_BUDGET
 
-    def build(self, draft_logits: Any, context_length: int) -> DraftTree:
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_chain(draft_logits)
 
 
@@ -128,7 +133,11 @@ class Budget:
     name: str = "ddtree"
     needs_drafter: bool = True
 
-    def build(self, draft_logits: Any, context_length: int) -> DraftTree:
+    @property
+    def reserve_nodes(self) -> int:
+        return self.budget
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_ddtree(draft_logits, self.budget)
 
 
@@ -141,7 +150,11 @@ class CostAware:
     name: str = "caddtree"
     needs_drafter: bool = True
 
-    def build(self, draft_logits: Any, context_length: int) -> DraftTree:
+    @property
+    def reserve_nodes(self) -> int:
+        return self.max_budget
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_caddtree(draft_logits, self.cost_model, context_length, self.max_budget)
 
 
@@ -170,166 +183,6 @@ def make_policy(
             )
         return CostAware(cost_model, check_int("max_budget", max_budget))
     return Chain() if method == "dflash" else NoTree()
-
-
-# --------------------------------------------------------------------------------------------------
-# Statistics
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RoundStats:
-    """One verification round. Times are wall seconds, taken with the device synchronised.
-
-    The phases of a round add up: ``round_s = draft_s + tree_s + verify_s + bookkeeping``, where
-    ``draft_s`` (the drafter: its forward pass and its projection to the vocabulary) includes
-    ``project_s``, and ``verify_s`` (target forward, walk and cache compaction) includes
-    ``forward_s``. A proposer that projects on demand does so while the tree is built; that time
-    is counted in ``project_s`` (so in ``draft_s``), not in ``tree_s``.
-    """
-
-    context_length: int  # tokens in the target's cache when the tree was verified
-    budget: int  # nodes in the tree
-    accepted: int  # draft tokens accepted (alpha); the round commits accepted + 1 tokens
-    committed: int  # tokens this round added to the output (after stop / length truncation)
-    draft_s: float  # drafter forward and projection
-    tree_s: float  # tree construction (and mapping draft ids to target ids), projection excluded
-    verify_s: float  # target forward, walk and cache compaction
-    phi: float  # the tree's surrogate expected acceptance
-    # the drafter's confidence: its largest position-1 probability (NaN without a draft), the
-    # quantity the paper bins rounds by (Fig. 1)
-    confidence: float = math.nan
-    # the accepted nodes, as indices into the tree (best-first order for DDTree and CaDDTree, so
-    # the acceptance a smaller budget n would have had is the number of indices below n)
-    path: list[int] = field(default_factory=list)
-    project_s: float = 0.0  # the part of draft_s spent projecting hidden states to the vocabulary
-    projected: int = 0  # positions projected (of the block's B - 1; 0 without a draft)
-    forward_s: float = 0.0  # the part of verify_s spent in the target's forward pass
-    round_s: float = 0.0  # the whole round, bookkeeping included (callbacks excluded)
-
-
-@dataclass
-class GenerationStats:
-    """Summary of one generation.
-
-    Speed: ``ms_per_token`` is the wall time of the whole call (prefill included) per generated
-    token; ``ttft_s`` (time to first token) is the prefill forward plus the choice of the first
-    token, from the start of :func:`decode`; ``decode_tokens_per_s`` is the tokens after the
-    first over the time after it (``None`` when only one token was generated).
-
-    Acceptance: ``tau`` is the mean number of tokens committed per verification round (accepted
-    draft tokens plus the bonus token, after any stop or length cut; AR has ``tau = 1``);
-    ``mean_acceptance_length`` is the same number under vLLM's name. The token of the prefill is
-    part of no round. ``draft_tokens`` counts the tree nodes verified, ``accepted_tokens`` the
-    draft tokens accepted, and ``draft_acceptance_rate`` is their ratio (0 without draft tokens).
-    For a tree that rate is per verified node: a round that verifies 60 nodes and accepts a path of
-    4 counts 4/60, however good the path, so it falls as trees grow even when ``tau`` rises.
-    ``accepted_per_position[k - 1]`` is the number of rounds that accepted at least ``k`` draft
-    tokens (vLLM's ``num_accepted_tokens_per_pos``; as long as the deepest acceptance).
-
-    ``stop_reason``: ``"stop_token"`` (EOS or another stop token id), ``"stop_string"``,
-    ``"stopping_criteria"`` (another criterion), or ``"max_new_tokens"``.
-    """
-
-    method: str
-    new_tokens: int
-    rounds: int
-    tau: float
-    ms_per_token: float
-    budget_mean: float
-    budget_std: float
-    wall_s: float
-    prefill_s: float
-    draft_s: float
-    tree_s: float
-    verify_s: float
-    stop_reason: str
-    ttft_s: float
-    decode_tokens_per_s: float | None
-    mean_acceptance_length: float
-    draft_tokens: int
-    accepted_tokens: int
-    draft_acceptance_rate: float
-    accepted_per_position: list[int]
-    per_round: list[RoundStats] = field(default_factory=list, repr=False)
-
-    @classmethod
-    def from_rounds(
-        cls,
-        method: str,
-        rounds: list[RoundStats],
-        new_tokens: int,
-        wall_s: float,
-        prefill_s: float,
-        stop_reason: str,
-    ) -> GenerationStats:
-        """The summary of one generation of ``new_tokens`` tokens in ``rounds``; ``prefill_s`` is
-        the time to the first token."""
-        budgets = np.array([r.budget for r in rounds], dtype=np.float64)
-        tau = float(np.mean([r.committed for r in rounds])) if rounds else 0.0
-        draft_tokens = sum(r.budget for r in rounds)
-        accepted_tokens = sum(r.accepted for r in rounds)
-        deepest = max((r.accepted for r in rounds), default=0)
-        after_first = wall_s - prefill_s
-        return cls(
-            method=method,
-            new_tokens=new_tokens,
-            rounds=len(rounds),
-            tau=tau,
-            ms_per_token=1e3 * wall_s / new_tokens,
-            budget_mean=float(budgets.mean()) if rounds else 0.0,
-            budget_std=float(budgets.std()) if rounds else 0.0,
-            wall_s=wall_s,
-            prefill_s=prefill_s,
-            draft_s=sum(r.draft_s for r in rounds),
-            tree_s=sum(r.tree_s for r in rounds),
-            verify_s=sum(r.verify_s for r in rounds),
-            stop_reason=stop_reason,
-            ttft_s=prefill_s,
-            decode_tokens_per_s=(
-                (new_tokens - 1) / after_first if new_tokens > 1 and after_first > 0 else None
-            ),
-            mean_acceptance_length=tau,
-            draft_tokens=draft_tokens,
-            accepted_tokens=accepted_tokens,
-            draft_acceptance_rate=accepted_tokens / draft_tokens if draft_tokens else 0.0,
-            accepted_per_position=[
-                sum(r.accepted >= k for r in rounds) for k in range(1, deepest + 1)
-            ],
-            per_round=rounds,
-        )
-
-    def to_dict(self, per_round: bool = False) -> dict[str, Any]:
-        out = asdict(self)
-        if per_round:  # NaN (no draft this round) is not JSON: it becomes None (null)
-            out["per_round"] = [
-                {**asdict(r), "confidence": None if math.isnan(r.confidence) else r.confidence}
-                for r in self.per_round
-            ]
-        else:
-            out.pop("per_round")
-        return out
-
-
-@dataclass
-class GenerationResult:
-    """What one generation produced: :func:`decode` fills everything but ``text``, which
-    :meth:`caddtree.api.SpeculativeGenerator.generate` decodes with its tokenizer."""
-
-    text: str
-    token_ids: list[int]  # generated tokens only (the stop token included, if one was hit)
-    prompt_ids: list[int]
-    method: str
-    stats: GenerationStats
-
-    def to_dict(self, per_round: bool = False) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "prompt_tokens": len(self.prompt_ids),
-            "stats": self.stats.to_dict(per_round=per_round),
-        }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,7 +225,7 @@ def _checked_prompt(
     return prompt
 
 
-def _criteria_list(criteria: Any) -> list[Callable[..., Any]]:
+def criteria_list(criteria: Any) -> list[Callable[..., Any]]:
     """Stopping criteria as a flat list: ``None`` is none, a single criterion is one, and an
     iterable (a ``StoppingCriteriaList`` is one, though it is callable too) holds several."""
     if criteria is None:
@@ -422,7 +275,7 @@ def _criterion_reason(criterion: Any) -> str:
     return "stopping_criteria"
 
 
-def _stop_point(
+def stop_point(
     tokens: list[int],
     room: int,
     stops: set[int],
@@ -448,25 +301,126 @@ def _stop_point(
     return len(tokens), None
 
 
-def _confidence(tree: DraftTree, draft_logits: Any) -> float:
+def _confidence(tree: DraftTree, draft: DraftLogits | None) -> float:
     """The drafter's largest position-1 probability (NaN without a draft). Node 0 of a non-empty
     tree is that token; a tree the cost rule left empty (CaDDTree's n = 0) still had a draft, so
     its confidence is read from position 1's logits, not dropped from the analysis."""
-    if draft_logits is None:
+    if draft is None:
         return math.nan
     if len(tree):
         return math.exp(float(tree.log_probs[0]))
-    row = draft_logits.row(0) if hasattr(draft_logits, "row") else draft_logits[0]
-    row = torch.as_tensor(row).detach().double()
-    return math.exp(float(row.max() - torch.logsumexp(row, 0)))
+    return draft.confidence()
 
 
-def _projected(draft_logits: Any) -> int:
-    """Positions of ``draft_logits`` projected to the vocabulary: all of a plain tensor's rows,
-    what a lazy one (:class:`~caddtree.models.proposer.DraftLogits`) projected, none without one."""
-    if draft_logits is None:
-        return 0
-    return int(getattr(draft_logits, "projected", draft_logits.shape[0]))
+@dataclass
+class _Loop:
+    """What one :func:`decode` call carries from round to round."""
+
+    verifier: TreeVerifier
+    policy: TreePolicy
+    proposer: Proposer | None
+    sampler: Sampler
+    stops: set[int]
+    criteria: list[Callable[..., Any]]
+    context: TokenContext | None
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    rounds: list[RoundStats] = field(default_factory=list)
+
+    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reserve the caches, run the prompt, choose the first token; the prompt's logits and
+        features."""
+        verifier = self.verifier
+        # room for every position the call may fill: the prompt, its output, and the last tree
+        # (within the context window; without one, at most MAX_RESERVED, and the cache grows after)
+        fill = min(len(prompt) + self.max_new_tokens, verifier.max_positions or MAX_RESERVED)
+        verifier.reset(reserve=fill + self.policy.reserve_nodes + 1)
+        if self.proposer is not None:
+            self.proposer.reset()
+        logits, features = verifier.prefill(prompt)
+        context = self.context
+        self.output.append(
+            self.sampler.choose(logits, context.ids() if self.sampler.needs_context else None)
+        )
+        return logits, features
+
+    def cut(self, tokens: list[int]) -> tuple[int, str | None]:
+        """How many of ``tokens`` (the next ones of the output) to keep, and why generation ends
+        there (``None``: it goes on)."""
+        room = self.max_new_tokens - len(self.output)
+        return stop_point(tokens, room, self.stops, self.criteria, self.context)
+
+    def propose(self, bonus: int, features: torch.Tensor) -> DraftLogits | None:
+        """The drafter's logits for this round (``None`` when it does not draft: AR, or a last
+        token whose tree could not commit)."""
+        max_depth = self.max_new_tokens - len(self.output) - 1  # deeper nodes cannot commit
+        if not self.policy.needs_drafter or max_depth <= 0:
+            return None
+        draft = self.proposer.propose(bonus, features)[:max_depth]
+        _sync(self.verifier.device)
+        return draft
+
+    def build(self, draft: DraftLogits | None) -> DraftTree:
+        """The round's tree, in target ids."""
+        if draft is None:
+            return DraftTree.empty()
+        return draft.in_target_ids(self.policy.build(draft, self.verifier.context_length))
+
+    def round(self, bonus: int, features: torch.Tensor) -> _RoundOutcome:
+        """One round after ``bonus``: draft, build, verify, walk, commit."""
+        verifier, context_length = self.verifier, self.verifier.context_length
+        t0 = time.perf_counter()
+        draft = self.propose(bonus, features)
+        t1 = time.perf_counter()
+        tree = self.build(draft)
+        confidence = _confidence(tree, draft)
+        t2 = time.perf_counter()
+        project_s = draft.project_s if draft is not None else 0.0
+        logits, _ = verifier.verify(bonus, tree)
+        _sync(verifier.device)
+        t_forward = time.perf_counter()
+        nodes, next_bonus = walk_tree(tree, logits, self.sampler, self.context)
+        tokens = [int(tree.token_ids[k]) for k in nodes] + [next_bonus]
+        keep, stop_reason = self.cut(tokens)
+        tokens = tokens[:keep]
+        if stop_reason is None:
+            features = verifier.commit(nodes)
+            if self.context is not None:
+                self.context.commit(tokens)
+        _sync(verifier.device)
+        t3 = time.perf_counter()
+        self.output.extend(tokens)
+        stats = RoundStats(
+            context_length=context_length,
+            budget=len(tree),
+            accepted=len(nodes),
+            committed=len(tokens),
+            draft_s=t1 - t0 + project_s,
+            tree_s=t2 - t1 - project_s,
+            verify_s=t3 - t2,
+            phi=tree.phi,
+            confidence=confidence,
+            path=nodes,
+            project_s=project_s,
+            projected=draft.projected if draft is not None else 0,
+            forward_s=t_forward - t2,
+        )
+        stats.round_s = time.perf_counter() - t0
+        self.rounds.append(stats)
+        rows = [0, *(k + 1 for k in nodes)][:keep]  # where the kept tokens were chosen
+        return _RoundOutcome(tree, stats, tokens, logits, rows, next_bonus, features, stop_reason)
+
+
+@dataclass
+class _RoundOutcome:
+    tree: DraftTree
+    stats: RoundStats
+    tokens: list[int]  # the tokens the round added to the output
+    logits: torch.Tensor  # the target's logits over [bonus] + nodes
+    rows: list[int]  # the rows of ``logits`` at which ``tokens`` were chosen
+    bonus: int  # the next round's bonus token
+    features: torch.Tensor  # the committed tokens' features, for the drafter's next round
+    stop_reason: str | None
 
 
 def decode(
@@ -502,108 +456,37 @@ def decode(
     """
     prompt = _checked_prompt(verifier, prompt_ids, policy, proposer, max_new_tokens)
     sampler = sampler or Sampler()
-    stops = {int(t) for t in stop_token_ids}
-    criteria = _criteria_list(stopping_criteria)
-    device = verifier.device
+    criteria = criteria_list(stopping_criteria)
     # The context as a tensor, only for a sampler or criteria that read it: the default greedy
     # path keeps none.
     context = None
     if sampler.needs_context or criteria:
-        context = TokenContext(prompt, len(prompt) + max_new_tokens, device)
-    rounds: list[RoundStats] = []
-    # a lazy proposer (DFlashProposer.propose_lazy) leaves the projection to the tree builder
-    propose = getattr(proposer, "propose_lazy", None) or getattr(proposer, "propose", None)
-    token_map = getattr(proposer, "token_map", None)  # proposers without one draft target ids
-
+        context = TokenContext(prompt, len(prompt) + max_new_tokens, verifier.device)
+    stops = {int(t) for t in stop_token_ids}
+    loop = _Loop(verifier, policy, proposer, sampler, stops, criteria, context, max_new_tokens)
     t_start = time.perf_counter()
-    # room for every position the call may fill: the prompt, its output, and the last tree
-    # (within the context window; without one, at most MAX_RESERVED, and the cache grows after)
-    tree_room = int(
-        getattr(policy, "budget", None)
-        or getattr(policy, "max_budget", None)
-        or DEFAULT_DDTREE_BUDGET
-    )
-    fill = len(prompt) + max_new_tokens
-    fill = min(fill, verifier.max_positions or MAX_RESERVED)
-    verifier.reset(reserve=fill + tree_room + 1)
-    if proposer is not None:
-        proposer.reset()
-    logits, features = verifier.prefill(prompt)
-    bonus = sampler.choose(logits, context.ids() if sampler.needs_context else None)
-    output = [bonus]
-    _sync(device)
+    logits, features = loop.prefill(prompt)
+    _sync(verifier.device)
     prefill_s = time.perf_counter() - t_start
-    _, stop_reason = _stop_point(output, max_new_tokens, stops, criteria, context)
+    bonus = loop.output[0]
+    _, stop_reason = stop_point(loop.output, max_new_tokens, stops, criteria, context)
     if context is not None:
-        context.commit(output)
+        context.commit(loop.output)
     if logits_callback is not None:
         logits_callback(logits[None])
     if callback is not None:
         callback(None, [bonus])
-
     while stop_reason is None:
-        # Nodes deeper than this could never be committed within max_new_tokens.
-        max_depth = max_new_tokens - len(output) - 1
-        context_length = verifier.context_length
-        t0 = time.perf_counter()
-        draft_logits = None
-        if policy.needs_drafter and max_depth > 0:
-            draft_logits = propose(bonus, features)[:max_depth]
-            _sync(device)
-        t1 = time.perf_counter()
-        tree = (
-            policy.build(draft_logits, context_length)
-            if draft_logits is not None
-            else DraftTree.empty()
-        )
-        if draft_logits is not None and token_map is not None:
-            tree = tree.map_tokens(token_map)  # draft vocabulary ids -> target ids
-        confidence = _confidence(tree, draft_logits)
-        t2 = time.perf_counter()
-        project_s = getattr(draft_logits, "project_s", 0.0)
-        target_logits, _ = verifier.verify(bonus, tree)
-        _sync(device)
-        t_forward = time.perf_counter()
-        path, next_bonus = walk_tree(tree, target_logits, sampler, context)
-        new_tokens = [int(tree.token_ids[i - 1]) for i in path[1:]] + [next_bonus]
-        keep, stop_reason = _stop_point(
-            new_tokens, max_new_tokens - len(output), stops, criteria, context
-        )
-        new_tokens = new_tokens[:keep]
-        if stop_reason is None:
-            features = verifier.commit(path)
-            if context is not None:
-                context.commit(new_tokens)
-        _sync(device)
-        t3 = time.perf_counter()
-        output.extend(new_tokens)
-        stats = RoundStats(
-            context_length=context_length,
-            budget=len(tree),
-            accepted=len(path) - 1,
-            committed=len(new_tokens),
-            draft_s=t1 - t0 + project_s,
-            tree_s=t2 - t1 - project_s,
-            verify_s=t3 - t2,
-            phi=tree.phi,
-            confidence=confidence,
-            path=[i - 1 for i in path[1:]],
-            project_s=project_s,
-            projected=_projected(draft_logits),
-            forward_s=t_forward - t2,
-        )
-        rounds.append(stats)
-        stats.round_s = time.perf_counter() - t0
+        outcome = loop.round(bonus, features)
         if tree_callback is not None:
-            tree_callback(tree, stats)
-        if logits_callback is not None:  # row path[j] chose new_tokens[j]
-            logits_callback(target_logits[torch.tensor(path[:keep], device=target_logits.device)])
+            tree_callback(outcome.tree, outcome.stats)
+        if logits_callback is not None:
+            logits_callback(outcome.logits[torch.tensor(outcome.rows, device=logits.device)])
         if callback is not None:
-            callback(stats, new_tokens)
-        bonus = next_bonus
-
+            callback(outcome.stats, outcome.tokens)
+        bonus, features, stop_reason = outcome.bonus, outcome.features, outcome.stop_reason
     wall_s = time.perf_counter() - t_start
     stats = GenerationStats.from_rounds(
-        policy.name, rounds, len(output), wall_s, prefill_s, stop_reason
+        policy.name, loop.rounds, len(loop.output), wall_s, prefill_s, stop_reason
     )
-    return GenerationResult("", output, prompt, policy.name, stats)
+    return GenerationResult("", loop.output, prompt, policy.name, stats)

@@ -101,8 +101,8 @@ class BatchProposer:
     @torch.no_grad()
     def propose(self, calls: Sequence[DraftCall]) -> list[DraftLogits]:
         """One drafter pass for ``calls`` (distinct slots); the draft logits of each block's
-        positions ``1 .. q-1``, as :meth:`DFlashProposer.propose_lazy
-        <caddtree.models.proposer.DFlashProposer.propose_lazy>` returns them."""
+        positions ``1 .. q-1``, as :meth:`DFlashProposer.propose
+        <caddtree.models.proposer.DFlashProposer.propose>` returns them."""
         plan = self._plan(calls)
         self._reserve(max(plan.ends))
         drafter = self.drafter
@@ -123,7 +123,9 @@ class BatchProposer:
             self.lengths[call.slot] = start
         target_dtype = self.lm_head.weight
         return [
-            DraftLogits(hidden[b, 1:].to(target_dtype), self.lm_head, PROJECTION_STEPS)
+            DraftLogits(
+                hidden[b, 1:].to(target_dtype), self.lm_head, PROJECTION_STEPS, self.token_map
+            )
             for b in range(len(calls))
         ]
 

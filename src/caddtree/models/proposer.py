@@ -9,13 +9,16 @@ draft vocabulary: :func:`~caddtree.models.dflash.draft_lm_head`) only when a tre
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from ..core.tree import DraftTree
 from ..util.checks import is_int
 from ..util.errors import CheckpointError, InvalidInputError
 from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
@@ -32,24 +35,27 @@ deeper costs one more, for the rest of the block."""
 
 
 class DraftLogits:
-    """The draft logits of one block, ``[L, V]``, projected to the vocabulary on demand.
+    """The draft logits of one block, ``[L, V]``, projected to the vocabulary on demand, and the
+    map from their vocabulary to the target's.
 
     Holds the final hidden states of one drafter pass over the ``L`` drafted positions, ``[L, H]``,
     and the output ``head`` (the target's lm_head, or the draft-vocabulary head of
-    :func:`draft_lm_head`). It is a :class:`caddtree.core.tree.DraftRows`: the tree builders call
-    :meth:`row` when the expansion first reaches a depth, so positions the tree never reaches are
-    never projected; :meth:`rows` projects the whole block at once (the chain, which reads every
-    position, and :meth:`DFlashProposer.propose`).
+    :func:`draft_lm_head`). It is a :class:`caddtree.core.candidates.DraftRows`: the tree builders
+    call :meth:`row` when the expansion first reaches a depth, so positions the tree never reaches
+    are never projected; :meth:`rows` projects the whole block at once (the chain, which reads
+    every position).
 
     A projection reads the whole head from memory however few rows it computes, so one row costs
-    far more than ``1 / L`` of the block's projection (measured on a loaded 2-core CPU, single
-    thread, head warm in cache: one row of the 6k-row bfloat16 draft head a third of the 15-row
-    block, one row of the 49k-row head two thirds; in a decoding round, where the forwards have
-    evicted the head, a one-row call costs most of a block's). Positions are therefore projected
-    in a few calls, in order: ``steps[0]`` rows the first time position 1 is needed, ``steps[1]``
-    rows when the first position past those is needed, ..., and every remaining position at once
-    after the last step (default :data:`PROJECTION_STEPS`). ``steps=(1,) * L`` projects one
-    position at a time; ``steps=()`` the whole block at the first read.
+    far more than ``1 / L`` of the block's projection. Positions are therefore projected in a few
+    calls, in order: ``steps[0]`` rows the first time position 1 is needed, ``steps[1]`` rows when
+    the first position past those is needed, ..., and every remaining position at once after the
+    last step (default :data:`PROJECTION_STEPS`). ``steps=(1,) * L`` projects one position at a
+    time; ``steps=()`` the whole block at the first read. :meth:`precomputed` wraps logits that are
+    already projected (a proposer that computes them some other way).
+
+    ``token_map`` (numpy int64 ``[V]``, or ``None`` when the head scores the target's own
+    vocabulary) is the target id of each draft id; :meth:`in_target_ids` maps a tree built from
+    these logits to the target's ids.
 
     Attributes:
         projected: how many positions have been projected so far (always the first ones).
@@ -58,31 +64,44 @@ class DraftLogits:
     """
 
     def __init__(
-        self, hidden: torch.Tensor, head: nn.Module, steps: Sequence[int] = PROJECTION_STEPS
+        self,
+        hidden: torch.Tensor,
+        head: nn.Linear | None,
+        steps: Sequence[int] = PROJECTION_STEPS,
+        token_map: np.ndarray | None = None,
     ) -> None:
         if hidden.ndim != 2:
             raise InvalidInputError(f"hidden states must be [L, H], got {tuple(hidden.shape)}")
         if any(not is_int(k) or k < 1 for k in steps):
             raise InvalidInputError(f"projection steps must be positive integers, got {steps!r}")
-        self.hidden, self.head, self.steps = hidden, head, tuple(steps)
-        out_features = getattr(head, "out_features", None) or head.weight.shape[0]
-        self.shape = (int(hidden.shape[0]), int(out_features))
+        self.hidden, self.head, self.steps, self.token_map = hidden, head, tuple(steps), token_map
+        vocab = hidden.shape[1] if head is None else head.weight.shape[0]
+        self.shape = (int(hidden.shape[0]), int(vocab))
         self.projected = 0
         self.project_s = 0.0
         self._rows: list[torch.Tensor] = []  # one [V] view per projected position
         self._chunks: list[torch.Tensor] = []  # the projections' outputs, in order
+        if head is None:  # already projected
+            self._chunks, self._rows, self.projected = [hidden], list(hidden.unbind(0)), len(hidden)
+
+    @classmethod
+    def precomputed(cls, logits: torch.Tensor, token_map: np.ndarray | None = None) -> DraftLogits:
+        """Logits ``[L, V]`` computed already (nothing left to project)."""
+        return cls(torch.as_tensor(logits), None, (), token_map)
 
     @property
     def calls(self) -> int:
-        return len(self._chunks)
+        return len(self._chunks) if self.head is not None else 0
 
     def __getitem__(self, index: slice) -> DraftLogits:
         """The first positions only (``logits[:n]``), before anything is projected."""
         if not isinstance(index, slice) or index.start not in (None, 0) or index.step is not None:
             raise InvalidInputError("DraftLogits only takes a leading slice, logits[:n]")
+        if self.head is None:
+            return DraftLogits.precomputed(self.hidden[index], self.token_map)
         if self.projected:
             raise InvalidInputError("slice DraftLogits before reading any row")
-        return DraftLogits(self.hidden[index], self.head, self.steps)
+        return DraftLogits(self.hidden[index], self.head, self.steps, self.token_map)
 
     def row(self, i: int) -> torch.Tensor:
         """The logits of position ``i + 1``, ``[V]``, projecting up to it if needed."""
@@ -99,6 +118,17 @@ class DraftLogits:
         if self.projected < self.shape[0]:
             self._project(self.shape[0])
         return self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks)
+
+    def confidence(self) -> float:
+        """The drafter's largest position-1 probability."""
+        row = self.row(0).detach().double()
+        return math.exp(float(row.max() - torch.logsumexp(row, 0)))
+
+    def in_target_ids(self, tree: DraftTree) -> DraftTree:
+        """``tree`` (built from these logits) with its draft ids mapped to the target's ids."""
+        if self.token_map is None or not len(tree):
+            return tree
+        return tree.map_tokens(self.token_map)
 
     @torch.no_grad()
     def _project(self, end: int) -> None:
@@ -132,8 +162,8 @@ class DFlashProposer:
        [B-1, V]: row ``i`` is the drafter's marginal ``q_{i+1}`` for position ``start + 1 + i``.
        With a draft vocabulary the logits are over the ``K`` draft ids, [B-1, K], and
        ``token_map`` translates draft ids to target ids. The block's keys/values are dropped
-       again, so afterwards ``context_length == start``. :meth:`propose_lazy` is the same pass
-       returning :class:`DraftLogits`, which projects a position only when a tree reaches it.
+       again, so afterwards ``context_length == start``. The logits come as :class:`DraftLogits`,
+       which projects a position only when a tree reaches it and carries ``token_map``.
     2. ``crop(length)`` cuts the cached context back to its first ``length`` tokens (to roll back,
        or to restart drafting from an earlier committed length); the next ``propose`` must then
        pass the features from position ``length`` on.
@@ -151,7 +181,7 @@ class DFlashProposer:
         self.lm_head = draft_lm_head(lm_head, ids)
         #: target id of each draft id (numpy int64 [K]), or ``None`` with the full vocabulary
         self.token_map = None if ids is None else ids.cpu().numpy()
-        #: how :meth:`propose_lazy`'s logits are projected (see :class:`DraftLogits`)
+        #: how :meth:`propose`'s logits are projected (see :class:`DraftLogits`)
         self.projection_steps: tuple[int, ...] = PROJECTION_STEPS
         self.reset()
 
@@ -184,14 +214,10 @@ class DFlashProposer:
         compact_cache(self.cache, context_length)
         self._context_length = context_length
 
-    def propose(self, bonus_token: int, new_context_features: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B-1, V] for the ``B - 1`` positions after ``bonus_token`` (see class doc)."""
-        return self.propose_lazy(bonus_token, new_context_features).rows()
-
     @torch.no_grad()
-    def propose_lazy(self, bonus_token: int, new_context_features: torch.Tensor) -> DraftLogits:
-        """One drafter pass, as :meth:`propose`, with the projection to the vocabulary left to
-        the reader: the logits come as :class:`DraftLogits`, projected per position on demand."""
+    def propose(self, bonus_token: int, new_context_features: torch.Tensor) -> DraftLogits:
+        """Draft logits ``[B-1, V]`` for the ``B - 1`` positions after ``bonus_token`` (see the
+        class doc), as :class:`DraftLogits`: projected per position on demand."""
         drafter = self.drafter
         weight = drafter.fc.weight
         features = new_context_features
@@ -221,5 +247,8 @@ class DFlashProposer:
         compact_cache(self.cache, start)  # drop the block's keys/values
         self._context_length = start
         return DraftLogits(
-            hidden[0, 1:].to(self.lm_head.weight), self.lm_head, self.projection_steps
+            hidden[0, 1:].to(self.lm_head.weight),
+            self.lm_head,
+            self.projection_steps,
+            self.token_map,
         )

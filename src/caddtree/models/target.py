@@ -151,13 +151,13 @@ class TreeVerifier:
         bonus = choose(logits)
         loop:
             logits, feats = verifier.verify(bonus, tree)  # [n+1, V], [n+1, k*H] for [bonus] + nodes
-            accepted, next_bonus = walk(tree, logits)     # accepted: indices into [bonus] + nodes,
-                                                          #   0 first, then a root-to-node path
-            new_feats = verifier.commit(accepted)         # [1, len(accepted), k*H]
+            nodes, next_bonus = walk(tree, logits)        # nodes: the accepted path's node
+                                                          #   indices, from the root down
+            new_feats = verifier.commit(nodes)            # [1, 1 + len(nodes), k*H]
             bonus = next_bonus
 
     Row ``i`` of ``verify``'s logits is the target's next-token distribution after token ``i`` of
-    ``[bonus] + nodes`` (after the prefix, the bonus and node ``i``'s ancestors). After ``commit`` the
+    ``[bonus] + nodes`` (so node ``k`` is row ``k + 1``) (after the prefix, the bonus and node ``i``'s ancestors). After ``commit`` the
     cache holds the committed tokens plus ``bonus`` and the accepted nodes, exactly as sequential
     decoding would have left it; ``context_length`` counts them. ``commit`` returns the context
     features of the newly committed tokens, which is what ``DFlashProposer.propose`` takes next.
@@ -310,25 +310,36 @@ class TreeVerifier:
         return logits, features
 
     @torch.no_grad()
-    def commit(self, accepted: Sequence[int]) -> torch.Tensor:
-        """Keep the accepted path of the last :meth:`verify` in the KV cache.
+    def commit(self, nodes: Sequence[int]) -> torch.Tensor:
+        """Keep the bonus token and the accepted ``nodes`` of the last :meth:`verify` in the KV
+        cache.
 
-        ``accepted`` indexes ``[bonus] + nodes``: ``0`` (the bonus) followed by the node indices
-        (plus one) of a root-to-node path, e.g. ``[0, 1, 4]`` for node 0 and its child node 3.
-        An empty list discards the whole verification. Returns the context features of the
-        committed tokens, [1, len(accepted), k*H].
+        ``nodes`` are tree node indices along a path from the root down (``[]``: the bonus token
+        alone; ``[0, 3]``: node 0 and its child node 3). Returns the context features of the
+        committed tokens, ``[1, 1 + len(nodes), k*H]``.
         """
         if self._pending is None:
-            raise InvalidInputError("commit() needs a verify() first")
-        tree, features = self._pending
-        accepted = [int(i) for i in accepted]
-        _check_path(tree, accepted)
-        self._compact(self._length, accepted)
-        self._length += len(accepted)
-        self._pending = None
-        if accepted == list(range(len(accepted))):
-            return features[:, : len(accepted)]
-        return features[:, torch.tensor(accepted, device=features.device)]
+            raise InvalidInputError("commit() or discard() needs a verify() first")
+        nodes = [int(k) for k in nodes]
+        _check_path(self._pending[0], nodes)  # a refused path leaves the verification pending
+        tree, features = self._take_pending()
+        rows = [0, *(k + 1 for k in nodes)]  # a verification's row of node k is k + 1
+        self._compact(self._length, rows)
+        self._length += len(rows)
+        if nodes == list(range(len(nodes))):
+            return features[:, : len(rows)]
+        return features[:, torch.tensor(rows, device=features.device)]
+
+    def discard(self) -> None:
+        """Drop the last :meth:`verify` from the KV cache: the context is as before it."""
+        self._take_pending()
+        self._compact(self._length, [])
+
+    def _take_pending(self) -> tuple[DraftTree, torch.Tensor]:
+        if self._pending is None:
+            raise InvalidInputError("commit() or discard() needs a verify() first")
+        pending, self._pending = self._pending, None
+        return pending
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` committed tokens in the KV cache (the cache then holds
@@ -363,14 +374,14 @@ class TreeVerifier:
             )
 
 
-def _check_path(tree: DraftTree, accepted: list[int]) -> None:
-    """Raise unless ``accepted`` is ``[]`` or ``[0]`` followed by a root-to-node path."""
-    if not accepted:
-        return
-    if accepted[0] != 0:
-        raise InvalidInputError(f"an accepted path starts with 0 (the bonus token), got {accepted}")
-    for prev, cur in zip(accepted, accepted[1:]):
-        if not 1 <= cur <= len(tree) or int(tree.parents[cur - 1]) + 1 != prev:
+def _check_path(tree: DraftTree, nodes: list[int]) -> None:
+    """Raise unless ``nodes`` is a path of ``tree`` from the root down."""
+    parent = -1
+    for node in nodes:
+        if not 0 <= node < len(tree) or int(tree.parents[node]) != parent:
+            where = "the root" if parent < 0 else f"node {parent}"
             raise InvalidInputError(
-                f"{accepted} is not a path of the verified tree: {cur} is not a child of {prev}"
+                f"{nodes} is not a path of the verified tree from its root: node {node} is not "
+                f"a child of {where}"
             )
+        parent = node

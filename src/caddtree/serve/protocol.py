@@ -264,6 +264,50 @@ def parse_request(body: Any, kind: str) -> OpenAIRequest:
         raise OpenAIError("the request body must be a JSON object")
     f = _Fields(body)
     model = f.string("model")
+    _refuse_unsupported(f)
+    prompt, template_kwargs = _request_prompt(f, kind)
+    stream, include_usage = _stream_fields(f)
+
+    max_tokens = f.integer("max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = f.integer("max_tokens", 1)
+
+    top_k = f.get("top_k")
+    if top_k is not None and (not is_int(top_k) or top_k < -1):
+        raise OpenAIError(
+            f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}", param="top_k"
+        )
+    seed = f.get("seed")
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
+        raise OpenAIError(f"seed must be an integer in [0, 2**64), got {seed!r}", param="seed")
+
+    method, budget, cost_model = _method_fields(f)
+
+    return OpenAIRequest(
+        kind=kind,
+        prompt=prompt,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        temperature=f.number("temperature", None, 0.0, 2.0),
+        top_p=f.number("top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=0 if top_k in (None, -1) else int(top_k),
+        min_p=f.number("min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0, 0.0, math.inf, low_open=True),
+        stop=_stop(f.get("stop")),
+        seed=None if seed is None else int(seed),
+        ignore_eos=f.boolean("ignore_eos"),
+        chat_template_kwargs=template_kwargs,
+        method=method,
+        budget=budget,
+        max_budget=f.integer("max_budget", 1),
+        cost_model=cost_model,
+    )
+
+
+def _refuse_unsupported(f: _Fields) -> None:
+    """Refuse the fields that would change the output in ways caddtree does not implement."""
     n = f.integer("n", 1)
     if n is not None and n != 1:
         raise OpenAIError("n must be 1: caddtree serve makes one choice per request", param="n")
@@ -287,6 +331,10 @@ def parse_request(body: Any, kind: str) -> OpenAIRequest:
             param="response_format",
         )
 
+
+def _request_prompt(f: _Fields, kind: str) -> tuple[Any, dict[str, Any] | None]:
+    """The prompt (chat messages, or a completion prompt) and the chat template's extra
+    arguments (``None`` for a completion)."""
     if kind == "chat":
         prompt: Any = _messages(f.get("messages"))
         template_kwargs = f.get("chat_template_kwargs")
@@ -297,7 +345,11 @@ def parse_request(body: Any, kind: str) -> OpenAIRequest:
     else:
         prompt = _completion_prompt(f.get("prompt"))
         template_kwargs = None
+    return prompt, template_kwargs
 
+
+def _stream_fields(f: _Fields) -> tuple[bool, bool]:
+    """``stream``, and ``stream_options.include_usage`` (allowed with ``stream`` only)."""
     stream = f.boolean("stream")
     include_usage = False
     options = f.get("stream_options")
@@ -309,20 +361,11 @@ def parse_request(body: Any, kind: str) -> OpenAIRequest:
         if not isinstance(options, dict):
             raise OpenAIError("stream_options must be an object", param="stream_options")
         include_usage = _Fields(options).boolean("include_usage")
+    return stream, include_usage
 
-    max_tokens = f.integer("max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = f.integer("max_tokens", 1)
 
-    top_k = f.get("top_k")
-    if top_k is not None and (not is_int(top_k) or top_k < -1):
-        raise OpenAIError(
-            f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}", param="top_k"
-        )
-    seed = f.get("seed")
-    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
-        raise OpenAIError(f"seed must be an integer in [0, 2**64), got {seed!r}", param="seed")
-
+def _method_fields(f: _Fields) -> tuple[str | None, int | None, str | None]:
+    """caddtree's ``method``, and ``budget`` and ``cost_model`` where the method takes them."""
     method = f.string("method")
     if method is not None:
         try:
@@ -337,28 +380,7 @@ def parse_request(body: Any, kind: str) -> OpenAIRequest:
         raise OpenAIError(
             f"cost_model only applies to method 'caddtree', not {method!r}", param="cost_model"
         )
-
-    return OpenAIRequest(
-        kind=kind,
-        prompt=prompt,
-        model=model,
-        stream=stream,
-        include_usage=include_usage,
-        max_tokens=max_tokens,
-        temperature=f.number("temperature", None, 0.0, 2.0),
-        top_p=f.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=0 if top_k in (None, -1) else int(top_k),
-        min_p=f.number("min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=f.number("repetition_penalty", 1.0, 0.0, math.inf, low_open=True),
-        stop=_stop(f.get("stop")),
-        seed=None if seed is None else int(seed),
-        ignore_eos=f.boolean("ignore_eos"),
-        chat_template_kwargs=template_kwargs,
-        method=method,
-        budget=budget,
-        max_budget=f.integer("max_budget", 1),
-        cost_model=cost_model,
-    )
+    return method, budget, cost_model
 
 
 # ---- stop strings in text --------------------------------------------------------------------------

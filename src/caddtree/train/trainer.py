@@ -205,8 +205,6 @@ def train_drafter(
     with the same settings continues exactly as an uninterrupted one would; ``steps`` may change
     on resume, and the learning-rate schedule then follows the new total.
     """
-    from tqdm.auto import tqdm
-
     config = config or TrainConfig()
     config.validate()
     out = Path(output_dir)
@@ -216,32 +214,9 @@ def train_drafter(
         device = target.get_input_embeddings().weight.device
     device = torch.device(device)
 
-    state = None
-    if resume:
-        _recover_checkpoint(ckpt)
-    if resume and (ckpt / "trainer_state.json").is_file():
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        drafter = _resumed_drafter(ckpt, state, config)
-    elif init_from is not None:
-        drafter = load_trained_drafter(init_from).float()
-        have = drafter.config.num_hidden_layers
-        if have > config.num_layers or drafter.block_size != config.block_size:
-            raise InvalidInputError(
-                f"{init_from} has {have} layers and block size {drafter.block_size}; pass "
-                "the same --block-size and at least as many --num-layers"
-            )
-        if have < config.num_layers:
-            drafter = grow_drafter(drafter, config.num_layers)
-            logger.info(
-                "starting from the weights of %s, grown from %d to %d layers",
-                init_from,
-                have,
-                config.num_layers,
-            )
-        else:
-            logger.info("starting from the weights of %s", init_from)
-    else:
-        drafter = _new_drafter(target, data, config, stop_token_ids)
+    drafter, state = _starting_drafter(
+        target, data, config, ckpt, resume=resume, init_from=init_from, stop_ids=stop_token_ids
+    )
     config.target_layer_ids = list(drafter.target_layer_ids)
     config.mask_token_id = drafter.mask_token_id
     check_drafter_fits_target(drafter, target.config)
@@ -271,6 +246,79 @@ def train_drafter(
     # interrupted call are run again, and must not appear twice in the learning curve
     atomic_write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
+    loop = _Loop(trainer, optimizer, train_ids, eval_ids, ckpt, log_path)
+    return _run_steps(loop, log, start, end, progress)
+
+
+def _starting_drafter(
+    target: Any,
+    data: TrainingData,
+    config: TrainConfig,
+    ckpt: Path,
+    *,
+    resume: bool,
+    init_from: str | os.PathLike[str] | None,
+    stop_ids: Sequence[int],
+) -> tuple[DFlashDraftModel, dict | None]:
+    """The drafter training starts from, and the trainer state when it resumes a checkpoint:
+    the checkpoint's drafter, ``init_from``'s weights, or a new drafter."""
+    state = None
+    if resume:
+        _recover_checkpoint(ckpt)
+    if resume and (ckpt / "trainer_state.json").is_file():
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        drafter = _resumed_drafter(ckpt, state, config)
+    elif init_from is not None:
+        drafter = _drafter_from(init_from, config)
+    else:
+        drafter = _new_drafter(target, data, config, stop_ids)
+    return drafter, state
+
+
+def _drafter_from(init_from: str | os.PathLike[str], config: TrainConfig) -> DFlashDraftModel:
+    """The released-format drafter ``init_from`` in float32, grown to ``config.num_layers``."""
+    drafter = load_trained_drafter(init_from).float()
+    have = drafter.config.num_hidden_layers
+    if have > config.num_layers or drafter.block_size != config.block_size:
+        raise InvalidInputError(
+            f"{init_from} has {have} layers and block size {drafter.block_size}; pass "
+            "the same --block-size and at least as many --num-layers"
+        )
+    if have < config.num_layers:
+        drafter = grow_drafter(drafter, config.num_layers)
+        logger.info(
+            "starting from the weights of %s, grown from %d to %d layers",
+            init_from,
+            have,
+            config.num_layers,
+        )
+    else:
+        logger.info("starting from the weights of %s", init_from)
+    return drafter
+
+
+@dataclass
+class _Loop:
+    """What the training loop works with besides its log."""
+
+    trainer: AnchorBlockLoss
+    optimizer: Any
+    train_ids: Any
+    eval_ids: Any
+    ckpt: Path
+    log_path: Path
+
+
+def _run_steps(
+    loop: _Loop, log: list[dict], start: int, end: int, progress: bool
+) -> dict[str, Any]:
+    """Run steps ``start`` to ``end``, appending each entry to ``log`` and its file and saving a
+    checkpoint every ``save_every`` steps and at the end, or on an interrupt. Returns the last
+    entry."""
+    from tqdm.auto import tqdm
+
+    trainer, optimizer, ckpt = loop.trainer, loop.optimizer, loop.ckpt
+    config, drafter = trainer.config, trainer.drafter
     bar = tqdm(
         total=config.steps,
         initial=start,
@@ -282,9 +330,9 @@ def train_drafter(
     previous_handler = _terminate_as_interrupt()
     try:
         for step in range(start, end):
-            entry = _train_step(trainer, optimizer, train_ids, eval_ids, step)
+            entry = _train_step(trainer, optimizer, loop.train_ids, loop.eval_ids, step)
             log.append(entry)
-            with open(log_path, "a", encoding="utf-8") as fh:
+            with open(loop.log_path, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(entry) + "\n")
             bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=f"{entry['train_accept']:.2f}")
             bar.update(1)

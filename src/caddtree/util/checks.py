@@ -378,7 +378,7 @@ def token_ids(ids: Any, vocab_size: int, what: str = "token ids") -> list[int]:
     return out
 
 
-def _chat_messages(prompt: Any) -> list[dict[str, str]] | None:
+def chat_messages(prompt: Any) -> list[dict[str, str]] | None:
     """``prompt`` as a list of chat messages when it is one (every item a dict), else ``None``;
     messages without a string ``role`` and ``content`` are refused."""
     if not isinstance(prompt, (list, tuple)) or not prompt:

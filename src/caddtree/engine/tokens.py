@@ -1,0 +1,58 @@
+"""The tokenizer's side of a request: its EOS ids, stop strings it can write, chat templates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..util.checks import check_chat_template_kwargs
+from ..util.errors import InvalidInputError
+from .decoding import StopStrings
+
+__all__ = ["chat_template_ids", "eos_token_ids", "stop_string_criterion"]
+
+
+def eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
+    """EOS ids from ``tokenizer`` and from ``model.generation_config`` (int or list; either may
+    be missing)."""
+    ids: set[int] = set()
+    gen_config = getattr(model, "generation_config", None)
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(gen_config, "eos_token_id", None),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def stop_string_criterion(tokenizer: Any, stop_strings: list[str]) -> StopStrings:
+    """A :class:`~caddtree.engine.decoding.StopStrings` criterion for ``stop_strings`` (checked with
+    :func:`check_stop`), or a clear error when ``tokenizer`` cannot write one of them (its
+    characters encode to the unknown token), which could then never stop generation."""
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    for stop in stop_strings:
+        if unknown is not None and unknown in tokenizer.encode(stop, add_special_tokens=False):
+            raise InvalidInputError(
+                f"the tokenizer cannot write the stop string {stop!r} (its characters are not in "
+                "the vocabulary), so it could never stop generation; leave it out"
+            )
+    return StopStrings(tokenizer, stop_strings)
+
+
+def chat_template_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` in the tokenizer's chat template, ready for the assistant turn.
+
+    ``chat_template_kwargs`` go to ``apply_chat_template`` and so to the template (e.g.
+    ``{"enable_thinking": False}`` for Qwen3; ``add_generation_prompt`` may be overridden too)."""
+    kwargs = {"add_generation_prompt": True, **check_chat_template_kwargs(chat_template_kwargs)}
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False, **kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
