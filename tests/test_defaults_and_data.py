@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -266,13 +267,17 @@ def test_missing_converters_are_named(monkeypatch):
         defaults._require_converters()
 
 
-def test_default_drafter_dir_is_the_packaged_checkpoint_or_a_clear_error():
-    expected = defaults.Path(defaults.__file__).resolve().parent / "assets" / "smollm2-135m-dflash"
-    if (expected / "config.json").is_file():
-        assert defaults.default_drafter_dir() == expected
-    else:
-        with pytest.raises(CheckpointError, match="built-in drafter is missing"):
-            defaults.default_drafter_dir()
+def test_default_drafter_dir_is_the_packaged_checkpoint_or_a_clear_error(monkeypatch, tmp_path):
+    """The package's own assets folder (whatever module asks for it), and a clear error when a
+    build left the checkpoint out."""
+    import caddtree
+
+    expected = Path(caddtree.__file__).resolve().parent / "assets" / "smollm2-135m-dflash"
+    assert (expected / "config.json").is_file()  # committed with the package
+    assert defaults.default_drafter_dir().resolve() == expected
+    monkeypatch.setattr(defaults.importlib.resources, "files", lambda package: tmp_path)
+    with pytest.raises(CheckpointError, match="built-in drafter is missing"):
+        defaults.default_drafter_dir()
 
 
 def _smollm2_installed() -> bool:

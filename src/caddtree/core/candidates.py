@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
 import numpy as np
 
@@ -20,9 +20,9 @@ from ..util.errors import InvalidInputError
 from .rows import chunk_maxima, chunked, logsumexp, top_candidates
 
 if TYPE_CHECKING:
-    pass
+    import torch
 
-__all__ = ["FIRST_K", "Candidates", "DraftRows", "TopK", "topk_log_probs"]
+__all__ = ["FIRST_K", "Candidates", "DraftInput", "DraftRows", "TopK", "topk_log_probs"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ class TopK:
         return int(self.log_probs.shape[1])
 
 
-def topk_log_probs(draft_logits: Any, k: int) -> TopK:
+def topk_log_probs(draft_logits: np.ndarray | torch.Tensor, k: int) -> TopK:
     """Log-softmax over the vocabulary, then the top-``k`` tokens of every position.
 
     ``draft_logits`` is ``[L, V]`` (a torch tensor on any device, or a numpy array). The vocabulary-
@@ -144,6 +144,12 @@ class DraftRows(Protocol):
     def rows(self) -> Any: ...
 
 
+DraftInput = Union[TopK, DraftRows, np.ndarray, "torch.Tensor"]
+"""What the tree builders read draft logits from: a :class:`TopK`, rows computed on demand
+(:class:`DraftRows`, e.g. :class:`~caddtree.models.proposer.DraftLogits`), or logits ``[L, V]``
+as a numpy array or a torch tensor on any device."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Candidates per position, read lazily
 # --------------------------------------------------------------------------------------------------
@@ -168,7 +174,7 @@ class Candidates:
     ``draft_logits`` may be :class:`DraftRows`: a row is then computed only when it is first read.
     """
 
-    def __init__(self, draft_logits: Any, max_rank: int | None = None) -> None:
+    def __init__(self, draft_logits: DraftInput, max_rank: int | None = None) -> None:
         self.max_rank = max_rank  # candidates beyond this rank are never needed (the chain: 1)
         if isinstance(draft_logits, TopK):
             self._row, self.depth, self.vocab = None, draft_logits.depth, draft_logits.k

@@ -154,8 +154,7 @@ NOISY_INVERSION = 0.1
 """A shorter context whose fitted verification cost exceeds a longer context's by more than this
 fraction (at some node count) was probably measured during a slow spell: a causal model attends
 to more keys in the longer context, so its cost does not fall. Such a curve misleads CaDDTree,
-which reads a too-high cost at short contexts as cheap extra nodes (it bought 11.7 nodes a round
-where 8 were best, on GSM8K, with a profile whose context-0 curve started 37% above context 256's)."""
+which reads a too-high cost at short contexts as cheap extra nodes (docs/profiling.md)."""
 
 
 class CostModel(ABC):

@@ -36,7 +36,7 @@ def chunk_maxima(row: np.ndarray) -> np.ndarray:
 
     With torch loaded, its reduction over the last axis does this several times faster than
     numpy's; it runs on one thread (a parallel reduction this small waits on a descheduled helper
-    thread whenever the machine is busy: 25 ms instead of 0.2 ms while a training job ran).
+    thread whenever the machine is busy, a hundred times longer than the work).
     Without torch (numpy logits), numpy does it and torch is not imported for it.
     """
     full = row.shape[0] // CHUNK

@@ -212,7 +212,7 @@ def _sampling_processors(
 def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
     """``argmax`` over the last dimension (the first index on ties). Half-precision logits are
     upcast to float32 first: exact, so the choices are the same, and on a CPU several times
-    faster than a bfloat16 argmax (0.23 ms instead of 0.9 ms for 5 rows of a 49k vocabulary)."""
+    faster than a bfloat16 argmax."""
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return torch.argmax(logits, dim=-1)

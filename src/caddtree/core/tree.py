@@ -37,13 +37,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
-from .candidates import Candidates, DraftRows, TopK, topk_log_probs
+from .candidates import Candidates, DraftInput, DraftRows, TopK, topk_log_probs
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
@@ -327,7 +327,7 @@ _HEAP_ENTRY = np.dtype(
 )
 
 
-def build_ddtree(draft_logits: Any, budget: int) -> DraftTree:
+def build_ddtree(draft_logits: DraftInput, budget: int) -> DraftTree:
     """DDTree: the ``budget`` prefixes with the largest prefix probability (Eq. phistar).
 
     ``draft_logits`` is ``[L, V]`` logits (torch or numpy) or a :class:`TopK`. The tree is built
@@ -338,14 +338,14 @@ def build_ddtree(draft_logits: Any, budget: int) -> DraftTree:
     return _expand(Candidates(draft_logits), budget)
 
 
-def build_chain(draft_logits: Any) -> DraftTree:
+def build_chain(draft_logits: DraftInput) -> DraftTree:
     """The DFlash chain: the top-1 token at each of the ``L`` positions."""
     cands = Candidates(draft_logits, max_rank=1)
     return _expand(cands, cands.depth)
 
 
 def build_caddtree(
-    draft_logits: Any,
+    draft_logits: DraftInput,
     cost_model: CostModel,
     context_length: int,
     max_budget: int = 1024,
@@ -367,7 +367,7 @@ def build_caddtree(
 
 
 def build_joint_caddtrees(
-    draft_logits: Sequence[Any], round_costs: Sequence[float], max_nodes: int = 1024
+    draft_logits: Sequence[DraftInput], round_costs: Sequence[float], max_nodes: int = 1024
 ) -> list[DraftTree]:
     """CaDDTree's joint budget over a batch of requests verified in one forward: one tree each.
 
@@ -397,7 +397,7 @@ def build_joint_caddtrees(
 
 
 def surrogate_throughput(
-    draft_logits: Any, cost_model: CostModel, context_length: int, max_budget: int
+    draft_logits: DraftInput, cost_model: CostModel, context_length: int, max_budget: int
 ) -> np.ndarray:
     """``theta*(n)`` for ``n = 0 .. max_budget`` (Eq. decomposition), by brute force.
 

@@ -244,8 +244,8 @@ class StopStrings:
     It decodes only the last tokens, enough to hold the longest stop string, once with and once
     without the last token, and fires when a stop string appears in the first text and not in
     the second. Its memory and time grow with the stop strings, not with the vocabulary
-    (transformers' criterion builds and caches vocabulary-sized tables for every set of strings:
-    1,000 strings once took 16.7 s and 2 GB that were never given back)."""
+    (transformers' criterion builds and caches vocabulary-sized tables for every set of strings,
+    and never gives that memory back)."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
         self.tokenizer, self.stops = tokenizer, list(stops)

@@ -12,11 +12,11 @@ per key/value head) shares each key/value head among several query heads. :data:
   grouped heads falls back to the slow math kernel. On the CPU it does not.
 * **A single query** (plain decoding's step, a round that verifies only the bonus token): the
   CPU's flash kernel with ``enable_gqa=True`` spends per query head what a longer query block
-  would share, and grows steeply with the context (SmolLM2 in bfloat16 on a 2-core CPU: 0.17 ms a
-  layer at 300 keys, 2.2 ms at 4,000). The query heads that share a key/value head are stacked
-  as that head's queries instead (``[b, h_kv, groups, d]``), one flash call over 3 key/value heads
-  of 3 queries each: 0.04 ms at 300 keys, 0.37 ms at 4,000 (``benchmarks/attention_gqa.py
-  --single-query``). The same kernel computes the same softmax in float32, over the same keys.
+  would share, and grows steeply with the context. The query heads that share a key/value head
+  are stacked as that head's queries instead (``[b, h_kv, groups, d]``), one flash call per
+  key/value head, several times faster at long contexts (``benchmarks/attention_gqa.py
+  --single-query`` measures both). The same kernel computes the same softmax in float32, over the
+  same keys.
 
 Everything else (the prompt; CUDA; position biases; a paged cache; one key/value head per query
 head) goes to transformers' own SDPA function unchanged, and masks are built as for ``"sdpa"``.

@@ -27,8 +27,9 @@ same kernel for weights given as inputs. The cache is ``$TORCHINDUCTOR_CACHE_DIR
 ``<caddtree cache>/inductor`` (:func:`caddtree.util.defaults.cache_root`).
 
 **Where it runs.** ``runtime="auto"`` picks it on the CPU for bfloat16 targets whose linear
-layers are packed, where a C++ compiler is present (inductor needs one); float32 compiled lost or
-tied to eager on this project's 2-core CPU, so it stays eager unless asked for by name. On CUDA the
+layers are packed, where a C++ compiler is present (inductor needs one); float32 stays eager
+unless asked for by name, as compiling it did not pay on the CPU (``benchmarks/vs_llamacpp.py
+--runtime lean compiled`` compares them). On CUDA the
 same graphs compile without CUDA graphs (their dynamic sizes would re-record per length); that
 path has not been run yet, as no GPU has been available to this project.
 

@@ -2,9 +2,9 @@
 
 transformers' ``DynamicLayer`` appends with ``torch.cat``: each round copies the layer's whole
 cache into a fresh tensor one round larger and frees the old one. The allocator is left a trail of
-freed blocks that are each a little too small for the next request, and it keeps them: on a 2-core
-CPU, a 3,000-token generation of the built-in pair peaked 53 MiB above the 69 MiB its cache holds,
-and glibc's own fixed mmap threshold (no heap reuse) halved that excess at 1.65x the time.
+freed blocks that are each a little too small for the next request, and it keeps them: a long
+generation peaks well above what its cache holds (``benchmarks/long_generation.py``), and
+glibc's own fixed mmap threshold (no heap reuse) trims that excess only at a large cost in time.
 
 A :class:`ReservedLayer` instead asks for room for ``capacity`` positions once (the prompt, every
 token the call may add, and the largest tree) and writes each round's keys and values in place
@@ -162,12 +162,10 @@ def _malloc_trim() -> Any:
 def return_freed_memory() -> None:
     """Hand the heap memory that a long generation freed back to the system.
 
-    A long generation's short-lived allocations grow with the context (one verification forward
-    at 10,000 tokens of the built-in pair needed 25 MiB beyond the cache under transformers' SDPA,
-    2.9 MiB under caddtree's grouped-query SDPA), and glibc keeps what
-    they freed on its heap for reuse: the process stayed 63 MiB above its level after such a
-    call, 19 MiB once trimmed. ``malloc_trim(0)`` returns those pages; where there is no such
-    call this does nothing.
+    A long generation's short-lived allocations grow with the context (``benchmarks/
+    long_generation.py`` measures them), and glibc keeps what they freed on its heap for reuse,
+    so the process stays well above its level after such a call. ``malloc_trim(0)`` returns those
+    pages; where there is no such call this does nothing.
     """
     trim = _malloc_trim()
     if trim is not None:

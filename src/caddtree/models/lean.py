@@ -470,8 +470,9 @@ class LeanTarget:
         The query heads that share a key/value head are stacked as that head's queries (``G``
         heads of ``n`` rows become ``G * n`` rows, the mask repeated to match), so one flash call
         per key/value head serves them: no copied keys, no mask at all for one row per sequence,
-        and 10-20% less time than SDPA's own ``enable_gqa`` for trees of 4-17 rows on a 2-core
-        CPU (the same numbers). A causal prompt keeps SDPA's own causal mask."""
+        and less time than SDPA's own ``enable_gqa`` for small trees on the CPU
+        (``benchmarks/attention_gqa.py``; the same numbers). A causal prompt keeps SDPA's own
+        causal mask."""
         n_seq, n_max, length = len(rows.slots), rows.n_max, rows.length
         keys, values = self._cached(index, rows.slots, length)
         groups, dim = self.heads // self.kv_heads, self.head_dim

@@ -5,9 +5,8 @@ the weight in PyTorch's row-major layout, and oneDNN re-lays it out into its blo
 every call: for a small model that copy is most of a layer's time. :func:`pack_linear_layers`
 does it once per ``nn.Linear`` (``torch.ops.mkldnn._reorder_linear_weight``, the packing
 PyTorch's own compiler applies to frozen CPU models) and has the layer call the packed weight
-(``torch.ops.mkldnn._linear_pointwise``). Measured on the 2-core CPU of this project
-(``benchmarks/packed_linear.py``): the built-in target's one-token forward and its 8-node tree
-forward both took about a quarter less time.
+(``torch.ops.mkldnn._linear_pointwise``); ``benchmarks/packed_linear.py`` measures the
+forwards with and without it.
 
 A packed layer stays an ``nn.Linear``: its parameters, ``state_dict`` and tied weights are
 untouched, and the packed copy lives beside them (one more copy of each packed weight in memory).

@@ -125,8 +125,8 @@ class Engine:
     worker loop on instead of a thread of its own; give the one that loaded the models. On a
     CPU, torch's OpenMP threads spin between operations only while no more threads use OpenMP
     than there are cores; a model loaded (or profiled) on one thread and run on another keeps two
-    thread pools, and every generation then ran 1.6x slower (SmolLM2 on 2 cores: 18 ms per token
-    instead of 11).
+    thread pools, and every generation then runs markedly slower (``benchmarks/serve_load.py``
+    shows it).
     """
 
     def __init__(

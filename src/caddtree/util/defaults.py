@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.resources
 import importlib.util
 import json
 import logging
@@ -129,7 +130,7 @@ def smollm2_gguf_path() -> Path:
 
 def default_drafter_dir() -> Path:
     """The DFlash drafter for the default target that ships inside the caddtree package."""
-    path = Path(__file__).resolve().parent / "assets" / DEFAULT_DRAFTER_NAME
+    path = Path(str(importlib.resources.files("caddtree"))) / "assets" / DEFAULT_DRAFTER_NAME
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise CheckpointError(
             f"the built-in drafter is missing: no DFlash checkpoint (config.json + *.safetensors) "
