@@ -94,6 +94,48 @@ def _counting(call, calls):
     return counted
 
 
+class _Guards:
+    """Stands in for dynamo's guards of a remembered graph: they pass or fail as told."""
+
+    def __init__(self, passes):
+        self.passes, self.checked = passes, 0
+
+    def check(self, local):
+        self.checked += 1
+        return self.passes
+
+
+def test_a_remembered_graph_runs_only_while_its_guards_pass(model, compiled):
+    """Calls go straight to the code dynamo compiled for a graph when that graph's own guards
+    pass for them, and through torch.compile (which remembers the code again) when they fail;
+    either way the outputs are the graph's."""
+    compiled.reset(reserve=64)
+    compiled.prefill(prompt(4, 10))
+    layers = compiled.target.compiled
+    compiled.verify(3, DraftTree.empty())
+    compiled.commit([])
+    assert layers._known.get("row") is not None  # this torch exposes the compiled code
+    code, guards = layers._known["row"]
+    ran = []
+
+    def remembered(*args):
+        ran.append(1)
+        return code(*args)
+
+    passing = _Guards(True)
+    layers._known["row"] = (remembered, passing)
+    shortcut, _ = compiled.verify(4, DraftTree.empty())
+    assert ran == [1] and passing.checked == 1
+    compiled.discard()
+    failing = _Guards(False)
+    layers._known["row"] = (remembered, failing)
+    framed, _ = compiled.verify(4, DraftTree.empty())
+    assert ran == [1] and failing.checked == 1  # not run: torch.compile ran the call
+    assert layers._known["row"][1] is not failing  # and the real guards are remembered again
+    torch.testing.assert_close(shortcut, framed, rtol=0, atol=0)
+    compiled.commit([])
+
+
 @pytest.mark.parametrize("method", ["dflash", "ddtree", "caddtree"])
 def test_every_method_equals_plain_decoding_on_the_compiled_runtime(
     model, compiled, method, cost_file

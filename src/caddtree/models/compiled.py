@@ -9,14 +9,22 @@ packed linear kernels and the same attention kernel as the eager runtime.
 
 Two graphs serve every call of one sequence (cache slot 0 of a one-slot cache) after the prompt:
 
-* **one row** (plain decoding, and trees of the root alone): attention without a mask;
-* **a tree of n >= 2 rows**: attention under the tree's boolean mask.
+* **one row** (plain decoding, and trees of the root alone): attention without a mask, written
+  as products and sums that inductor fuses (:func:`_attend_one_row`), since for one query the
+  flash kernel's fixed cost per call is most of its time;
+* **a tree of n >= 2 rows**: the flash kernel under the tree's boolean mask.
 
 Both are compiled once for every context length, cache capacity and (the tree graph) row count:
 those sizes are dynamic in the graphs, so a generation never waits for a recompile. A prompt (a
 causal prefill), several sequences per call and calls that want only some rows' logits run the
 eager runtime. The arithmetic is the eager runtime's: :func:`~caddtree.models.lean.decoder_layer`
 is traced as it is, only its cache step (:func:`_attend`) is written for static graphs.
+
+**Calls skip the frame evaluation.** ``torch.compile`` checks, before every call, the guards of
+every graph it compiled for the function, over hundreds of weight tensors and a cache per layer.
+A call here goes straight to the code dynamo compiled for the graph it expects once dynamo's own
+guards for that graph pass (:meth:`CompiledLayers._run`); any other call goes through
+``torch.compile`` as usual.
 
 **Weights stay inputs.** The graphs take the packed weights as inputs instead of freezing them
 into the graph (inductor's ``freezing``), so that inductor's on-disk caches (FX graph and
@@ -40,11 +48,13 @@ verification through the same graphs, and outputs stay lossless against plain de
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+import types
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -128,17 +138,15 @@ def _attend(
     mask: torch.Tensor,
 ) -> torch.Tensor:
     """Write the rows' keys and values at cache ``entries`` and attend over the first
-    ``mask.shape[-1]`` entries; one row needs no mask (its grouped query heads are stacked as
-    its key/value head's queries), a tree takes ``mask`` [1, 1, n, L]."""
+    ``mask.shape[-1]`` entries; one row needs no mask (:func:`_attend_one_row`), a tree takes
+    ``mask`` [1, 1, n, L]."""
     n, length = q.shape[0], mask.shape[-1]
     keys.index_copy_(2, entries, k.transpose(0, 1)[None])
     values.index_copy_(2, entries, v.transpose(0, 1)[None])
     k_seen, v_seen = keys[:, :, :length], values[:, :, :length]
     scale = shape.head_dim**-0.5
     if n == 1:
-        groups = shape.heads // shape.kv_heads
-        query = q.reshape(1, shape.kv_heads, groups, shape.head_dim)
-        return F.scaled_dot_product_attention(query, k_seen, v_seen, scale=scale).reshape(1, -1)
+        return _attend_one_row(q, k_seen[0], v_seen[0], shape, scale)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k_seen,
@@ -148,6 +156,21 @@ def _attend(
         enable_gqa=shape.heads != shape.kv_heads,
     )
     return out.transpose(1, 2).reshape(n, -1)
+
+
+def _attend_one_row(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shape: Shape, scale: float
+) -> torch.Tensor:
+    """Attention of one row ``q`` [1, heads, d] over ``keys``, ``values`` [kv_heads, L, d],
+    written as products and sums that inductor fuses into a few loops (in float32, as the flash
+    kernel accumulates): for one query the flash kernel's fixed cost per call is most of its
+    time. The query heads that share a key/value head are that head's ``groups`` queries."""
+    groups = shape.heads // shape.kv_heads
+    query = q.float().view(shape.kv_heads, groups, 1, shape.head_dim)
+    scores = (query * keys.float()[:, None]).sum(-1) * scale  # [kv_heads, groups, L]
+    probs = torch.softmax(scores, -1)
+    out = (probs[..., None] * values.float()[:, None]).sum(-2)  # [kv_heads, groups, d]
+    return out.reshape(1, -1).to(q.dtype)
 
 
 def _layers(
@@ -179,6 +202,31 @@ def _layers(
     return normed, outputs
 
 
+_ARGUMENTS = tuple(inspect.signature(_layers).parameters)
+
+
+def _compiled_code(args: tuple[Any, ...]) -> tuple[Callable[..., Any], Any] | None:
+    """The code dynamo compiled for :func:`_layers` whose guards pass for ``args``, as a function,
+    and those guards; ``None`` where this torch does not expose them (then every call goes
+    through ``torch.compile``'s frame evaluation).
+
+    Dynamo's frame evaluation checks the guards of every graph compiled for a function before it
+    runs one, which for these graphs (hundreds of weight tensors, a cache per layer) costs a
+    sizeable share of a one-row forward; :meth:`CompiledLayers._run` checks only the guards of
+    the graph it expects, with dynamo's own guard manager, and runs dynamo's code for it."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        local = dict(zip(_ARGUMENTS, args))
+        for entry in _debug_get_cache_entry_list(_layers.__code__):
+            if entry.guard_manager.check(local):
+                code = types.FunctionType(entry.code, _layers.__globals__, _layers.__name__)
+                return code, entry.guard_manager
+    except (ImportError, AttributeError, TypeError):  # another torch: no shortcut
+        logger.debug("dynamo's compiled code is not reachable; calls go through torch.compile")
+    return None
+
+
 class CompiledLayers:
     """The compiled layers of one :class:`~caddtree.models.lean.LeanTarget` (see the module
     docstring); :meth:`serves` says which calls (:class:`~caddtree.models.lean.Rows`) they take,
@@ -195,6 +243,8 @@ class CompiledLayers:
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
         options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+        # per graph kind: the code dynamo made for it and its guards (see _run)
+        self._known: dict[str, tuple[Callable[..., Any], Any] | None] = {}
         self._graph = torch.compile(
             _layers,
             dynamic=False,
@@ -226,7 +276,7 @@ class CompiledLayers:
             for tensor in (x, cos, sin, entries):
                 torch._dynamo.mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(mask, 2)
-        return self._graph(
+        args = (
             target.layers,
             target.shape,
             target.feature_layer_ids,
@@ -239,6 +289,20 @@ class CompiledLayers:
             target.keys,
             target.values,
         )
+        return self._run("row" if n == 1 else "tree", args)
+
+    def _run(self, kind: str, args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[int, Any]]:
+        """Run the graph of ``kind`` on ``args``: straight through the code dynamo compiled for
+        it when dynamo's own guards for that code pass, else through ``torch.compile``'s frame
+        evaluation (which compiles or picks the graph), remembering the code that ran."""
+        known = self._known.get(kind)
+        if known is not None:
+            code, guards = known
+            if guards.check(dict(zip(_ARGUMENTS, args))):
+                return code(*args)
+        out = self._graph(*args)
+        self._known[kind] = _compiled_code(args)
+        return out
 
 
 @contextmanager
