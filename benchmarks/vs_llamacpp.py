@@ -288,10 +288,12 @@ def llama_round(bins: Path, gguf: Path, args: argparse.Namespace) -> dict[str, A
     return out
 
 
-def llama_batched(bins: Path, gguf: Path, args: argparse.Namespace) -> list[dict]:
-    """llama-batched-bench's JSONL records: aggregate decoding over 1/2/4/8 sequences."""
+def llama_batched(
+    bins: Path, gguf: Path, args: argparse.Namespace, sequences: tuple[int, ...] = BATCHED_NPL
+) -> list[dict]:
+    """llama-batched-bench's JSONL records: aggregate decoding over each count of ``sequences``."""
     cmd = [str(bins / "llama-batched-bench"), "-m", str(gguf), "-c", "4096", "-npp", "128"]
-    npl = ",".join(map(str, BATCHED_NPL))
+    npl = ",".join(map(str, sequences))
     cmd += ["-ntg", "64", "-npl", npl, "-t", str(args.threads), "--output-format", "jsonl"]
     lines = run(cmd).splitlines()
     return [json.loads(line) for line in lines if line.startswith("{")]

@@ -7,11 +7,16 @@ a request where it ends alone, and a sampled request draws the same tokens in a 
 
 from __future__ import annotations
 
+from collections import deque
+
+import numpy as np
 import pytest
 
 from caddtree import ConvexCostModel, InvalidInputError
 from caddtree.core.cost import PiecewiseLinearCurve
 from caddtree.core.sampling import Sampler
+from caddtree.core.tree import DraftTree
+from caddtree.engine import batching
 from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
 from caddtree.models.lean import LeanTarget
@@ -169,6 +174,35 @@ def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_
         assert len(passes) >= rounds - 1
     else:
         assert len(passes) <= rounds // (batching._SKIP_ROUNDS + 1) + 1
+
+
+def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
+    """Once joint rounds that drafted and rounds that did not have both been timed at a batch
+    size, the faster kind wins, whatever the cost model's surrogate says; before, the surrogate
+    decides. Rounds are timed by the decoder itself."""
+    batch = BatchDecoder(
+        LeanTarget(qwen3, FEATURE_LAYER_IDS),
+        drafter,
+        max_batch=2,
+        capacity=80,
+        joint_cost_model=COST,
+        joint_max_nodes=24,
+    )
+    caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
+    for prompt in PROMPTS[:2]:
+        batch.add(GenerationRequest(prompt, caddtree, 30))
+    batch.step()
+    assert sum(len(kept) for kept in batch._rates.values()) == 1  # the round was timed
+    assert batch._measured_rates(2) is None  # one kind only: not enough to compare
+    dear = np.full(30, 10.0)  # a surrogate that says drafting never pays
+    for drafted, seconds in ((True, 1.0), (False, 2.0)):  # drafting measured twice as fast
+        batch._rates[(2, drafted)] = deque([(4, seconds)] * 4)
+    batch._skip = (0, 0)
+    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001)
+    assert batch._skip == (0, 0)
+    batch._rates[(2, False)] = deque([(4, 0.5)] * 4)  # now plain rounds are faster
+    batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), plain_cost=10.0)
+    assert batch._skip == (2, batching._SKIP_ROUNDS)
 
 
 def test_requests_made_by_the_generator_decode_as_generate_does(tiny_pair_dirs):

@@ -46,6 +46,7 @@ __all__ = ["BatchDecoder", "GenerationRequest"]
 
 _DRAFT_TIMES = 16  # drafter passes remembered per batch size, for the joint budget's pricing
 _SKIP_ROUNDS = 8  # rounds without drafting after a joint round where drafting did not pay
+_RATE_ROUNDS = 16  # joint rounds remembered per batch size and kind, for the measured rates
 
 
 @dataclass(eq=False)
@@ -93,6 +94,8 @@ class BatchDecoder:
         self._free = list(range(self.max_batch))
         self._draft_times: dict[int, deque[float]] = {}  # drafter pass seconds, by sequences
         self._skip = (0, 0)  # (batch size, rounds left) that decode without drafting
+        # (batch size, drafted) -> (tokens committed, seconds) of recent joint rounds
+        self._rates: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
         self._running: list[_Running] = []
 
     @property
@@ -172,7 +175,8 @@ class BatchDecoder:
         drafted = time.perf_counter()
         logits, features = self.target.forward(rows)
         forward_s = time.perf_counter() - drafted
-        finished, offset = [], 0
+        finished, offset, batch = [], 0, len(self._running)
+        before = sum(len(r.request.output) for r in self._running)
         for running, tree in zip(list(self._running), trees):
             n = len(tree) + 1
             self._walk(running, tree, logits[offset : offset + n], features[offset : offset + n])
@@ -183,7 +187,34 @@ class BatchDecoder:
             if running.request.stop_reason is not None:
                 self._leave(running)
                 finished.append(running.request)
+        committed = sum(len(r.request.output) for r in self._running) + sum(
+            len(r.output) for r in finished
+        )
+        self._remember_rate(batch, drafts, committed - before, time.perf_counter() - start)
         return finished
+
+    def _remember_rate(
+        self, batch: int, drafts: list[DraftLogits | None], tokens: int, seconds: float
+    ) -> None:
+        """Keep a joint round's tokens and time, by batch size and whether it drafted."""
+        if self.joint_cost_model is None or any(
+            r.request.policy.name != "caddtree" for r in self._running
+        ):
+            return
+        drafted = any(d is not None for d in drafts)
+        kept = self._rates.setdefault((batch, drafted), deque(maxlen=_RATE_ROUNDS))
+        kept.append((tokens, seconds))
+
+    def _measured_rates(self, batch: int) -> tuple[float, float] | None:
+        """Tokens per second of this batch size's recent joint rounds that drafted and of those
+        that did not, once there are a few of each (``None`` before)."""
+        rates = []
+        for drafted in (True, False):
+            kept = self._rates.get((batch, drafted), ())
+            if len(kept) < 4:
+                return None
+            rates.append(sum(t for t, _ in kept) / sum(s for _, s in kept))
+        return rates[0], rates[1]
 
     def drop(self, request: GenerationRequest) -> None:
         """End a running ``request`` now (a cancelled one): its slot is freed, its output kept,
@@ -278,12 +309,20 @@ class BatchDecoder:
         ]
 
     def _judge_drafting(self, trees: list[DraftTree], costs: np.ndarray, plain_cost: float) -> None:
-        """After a joint round that drafted: if its surrogate, drafting included, is below batched plain
-        decoding's without a drafter pass (``len(requests) / plain_cost``), the next
-        :data:`_SKIP_ROUNDS` rounds of this batch decode plainly without drafting; then the
-        drafter is tried again. Where drafting cannot pay (large batches on a few cores), the
-        batch runs at batched AR's speed instead of paying for drafts it verifies none of."""
+        """After a joint round that drafted: whether the next :data:`_SKIP_ROUNDS` rounds of this
+        batch size decode plainly without drafting (then the drafter is tried again). Once rounds
+        of both kinds have been timed at this batch size, the measured tokens per second decide
+        (the cost model's surrogate can misjudge both acceptance and this engine's costs);
+        before, the cost model does: skip when the round's surrogate, drafting included, is below
+        batched plain decoding's without a drafter pass (``len(requests) / plain_cost``). Where
+        drafting cannot pay (large batches on a few cores), the batch runs at batched AR's speed
+        instead of paying for drafts it verifies none of."""
         batch = len(self._running)
+        measured = self._measured_rates(batch)
+        if measured is not None:  # both kinds of round measured: the faster one wins
+            if measured[1] > measured[0]:
+                self._skip = (batch, _SKIP_ROUNDS)
+            return
         nodes = sum(len(t) for t in trees)
         drafted = (batch + sum(t.phi for t in trees)) / costs[nodes]
         if drafted < batch / plain_cost:
