@@ -145,22 +145,25 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
     assert any(sum(len(t) for t in trees) > 0 for trees in seen)  # the joint trees were verified
 
 
+def joint_decoder(target, drafter, max_batch):
+    """A batch decoder with a joint CaDDTree budget over trees of up to 24 nodes in all."""
+    return BatchDecoder(
+        LeanTarget(target, FEATURE_LAYER_IDS),
+        drafter,
+        max_batch=max_batch,
+        capacity=80,
+        joint_cost_model=COST,
+        joint_max_nodes=24,
+    )
+
+
 @pytest.mark.parametrize("draft_cost", [0.0, 1.0])
 def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_cost):
     """Where a drafter pass costs more than any tree can win back, joint rounds decode plainly
     without drafting (for a few rounds, then try again); the drafter still receives every
     committed token's features when it drafts again, so outputs stay plain greedy decoding. A
     free drafter pass is never skipped (a round with no nodes ties with plain decoding)."""
-    from caddtree.engine import batching
-
-    batch = BatchDecoder(
-        LeanTarget(qwen3, FEATURE_LAYER_IDS),
-        drafter,
-        max_batch=3,
-        capacity=80,
-        joint_cost_model=COST,
-        joint_max_nodes=24,
-    )
+    batch = joint_decoder(qwen3, drafter, 3)
     batch._draft_cost = lambda sequences, model: draft_cost  # the timed cost, made exact here
     passes = []
     propose = batch.proposer.propose
@@ -180,14 +183,7 @@ def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
     """Once joint rounds that drafted and rounds that did not have both been timed at a batch
     size, the faster kind wins, whatever the cost model's surrogate says; before, the surrogate
     decides. Rounds are timed by the decoder itself."""
-    batch = BatchDecoder(
-        LeanTarget(qwen3, FEATURE_LAYER_IDS),
-        drafter,
-        max_batch=2,
-        capacity=80,
-        joint_cost_model=COST,
-        joint_max_nodes=24,
-    )
+    batch = joint_decoder(qwen3, drafter, 2)
     caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
     for prompt in PROMPTS[:2]:
         batch.add(GenerationRequest(prompt, caddtree, 30))
