@@ -134,6 +134,10 @@ def test_a_remembered_graph_runs_only_while_its_guards_pass(model, compiled):
     assert layers._known["row"][1] is not failing  # and the real guards are remembered again
     torch.testing.assert_close(shortcut, framed, rtol=0, atol=0)
     compiled.commit([])
+    layers._known["row"] = None  # a torch without the shortcut: every call goes through it
+    plain, _ = compiled.verify(5, DraftTree.empty())
+    assert layers._known["row"] is None and torch.isfinite(plain).all()
+    compiled.commit([])
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree", "caddtree"])

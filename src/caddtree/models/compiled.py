@@ -295,6 +295,8 @@ class CompiledLayers:
         """Run the graph of ``kind`` on ``args``: straight through the code dynamo compiled for
         it when dynamo's own guards for that code pass, else through ``torch.compile``'s frame
         evaluation (which compiles or picks the graph), remembering the code that ran."""
+        if kind in self._known and self._known[kind] is None:  # this torch: no shortcut
+            return self._graph(*args)
         known = self._known.get(kind)
         if known is not None:
             code, guards = known
