@@ -173,11 +173,15 @@ def serve_levels(batch: int, budget: str, methods: list[str], args: argparse.Nam
     return records
 
 
+def label(r: dict) -> str:
+    """A record's method, with its batch budget where that is per request."""
+    return r["method"] + (" (per-request)" if r.get("batch_budget") == "per-request" else "")
+
+
 def print_record(r: dict) -> None:
-    label = r["method"] + (" (per-request)" if r["batch_budget"] == "per-request" else "")
     ms = {k: 1e3 * r[k] for k in ("itl_p50", "itl_p95")}
     print(
-        f"{r['max_batch']:>9} {label:>22} {r['concurrency']:>5} {r['tok_s']:>7.1f} "
+        f"{r['max_batch']:>9} {label(r):>22} {r['concurrency']:>5} {r['tok_s']:>7.1f} "
         f"{r['ttft_p50']:>8.2f}s {r['ttft_p95']:>8.2f}s {ms['itl_p50']:>6.1f}ms "
         f"{ms['itl_p95']:>6.1f}ms {r['same_text']:>3}/{r['requests']}"
     )
@@ -209,14 +213,14 @@ def plot(records: list[dict], path: Path) -> None:
     lines: dict[str, list[tuple[int, float]]] = {}
     batches = {r["max_batch"] for r in records if r["engine"] == "caddtree"}
     for r in records:
-        label = r["method"] + (" (per-request)" if r.get("batch_budget") == "per-request" else "")
+        name = label(r)
         if r["engine"] == "caddtree" and len(batches) > 1:
-            label += f", max-batch {r['max_batch']}"
-        lines.setdefault(label, []).append((r["concurrency"], r["tok_s"]))
+            name += f", max-batch {r['max_batch']}"
+        lines.setdefault(name, []).append((r["concurrency"], r["tok_s"]))
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, points in lines.items():
+    for name, points in lines.items():
         xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, "o-", label=label)
+        ax.plot(xs, ys, "o-", label=name)
     ax.set_xscale("log", base=2)
     levels = sorted({r["concurrency"] for r in records})
     ax.set_xticks(levels, [str(c) for c in levels])

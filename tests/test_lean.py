@@ -15,7 +15,7 @@ import torch
 
 from caddtree import InvalidInputError, SpeculativeGenerator
 from caddtree.core.profiling import profiling_tree
-from caddtree.core.tree import DraftTree
+from caddtree.core.tree import DraftTree, verification_rows
 from caddtree.models import TreeVerifier, lean
 from caddtree.models.lean import LeanTarget, LeanVerifier, Rows, lean_unsupported
 from tiny_models import VOCAB, llama_target, new_drafter, qwen3_target
@@ -49,11 +49,6 @@ def deep_path(t: DraftTree) -> list[int]:
     while t.parents[path[-1]] >= 0:
         path.append(int(t.parents[path[-1]]))
     return path[::-1]
-
-
-def rows_of(nodes: list[int]) -> list[int]:
-    """The rows of a verification that ``nodes`` and the bonus token occupy (node k: row k + 1)."""
-    return [0, *(k + 1 for k in nodes)]
 
 
 def assert_same(ours, theirs, dtype):
@@ -166,10 +161,10 @@ def test_several_sequences_in_one_call_equal_each_alone(model):
         offset += n
     # the accepted path of slot 2 compacted in place; then one row each, no mask needed
     path = deep_path(t)
-    runtime.compact(2, 12, rows_of(path))
+    runtime.compact(2, 12, verification_rows(path))
     references[2].commit(path)
     references[0].commit([])
-    lengths = {2: 12 + len(rows_of(path)), 0: 6, 3: 23}
+    lengths = {2: 12 + len(verification_rows(path)), 0: 6, 3: 23}
     rows = Rows.batch([(s, lengths[s], [s + 1], [lengths[s]], None) for s in (3, 2, 0)], "cpu")
     logits, _ = runtime.forward(rows)
     assert_same(logits[1], references[2].verify(3, DraftTree.empty())[0][0], dtype)

@@ -517,9 +517,10 @@ class SpeculativeGenerator:
         """The tree policy of ``method`` with its budgets checked against the drafter's block.
         CaDDTree's cost model is ``cost_model`` (a model or a file), else this generator's; with
         ``profile``, one is loaded from the cache or profiled when neither is set."""
+        given = self._cost_model(cost_model)  # a file is read (and checked) whatever the method
         cost = None
         if method == "caddtree":
-            cost = self._cost_model(cost_model) or self.cost_model
+            cost = given or self.cost_model
             if cost is None and profile:
                 cost = self.cost_model = self.cached_cost_model()
         max_budget = check_tree_budgets(method, budget, max_budget, **self._block())

@@ -58,6 +58,7 @@ __all__ = [
     "build_joint_caddtrees",
     "surrogate_throughput",
     "topk_log_probs",
+    "verification_rows",
 ]
 
 
@@ -207,6 +208,12 @@ class DraftTree:
             out.append(int(node))
             node = int(parents[node])
         return out[::-1]
+
+
+def verification_rows(nodes: Sequence[int]) -> list[int]:
+    """The rows that the bonus token and ``nodes`` (an accepted path) occupy in a verification
+    over ``[bonus] + nodes``: row 0 is the bonus, node ``k`` is row ``k + 1``."""
+    return [0, *(int(k) + 1 for k in nodes)]
 
 
 # --------------------------------------------------------------------------------------------------

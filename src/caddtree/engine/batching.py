@@ -32,7 +32,7 @@ import torch
 
 from ..core.cost import CostModel
 from ..core.sampling import TokenContext, walk_tree
-from ..core.tree import DraftTree, build_joint_caddtrees
+from ..core.tree import DraftTree, build_joint_caddtrees, verification_rows
 from ..models.batch_proposer import BatchProposer, DraftCall
 from ..models.lean import LeanTarget, Rows
 from ..models.proposer import DraftLogits
@@ -161,9 +161,8 @@ class BatchDecoder:
             return []
         start = time.perf_counter()
         drafts = self._drafts()
-        trees = self._joint_trees(drafts) or [
-            self._tree(r, d) for r, d in zip(self._running, drafts)
-        ]
+        joint = self._joint_trees(drafts)
+        trees = joint or [self._tree(r, d) for r, d in zip(self._running, drafts)]
         # a tree fits what is left of its slot (the best-first order's first nodes: still a tree)
         trees = [
             _first_nodes(t, self.capacity - r.length - 1) for r, t in zip(self._running, trees)
@@ -175,8 +174,7 @@ class BatchDecoder:
         drafted = time.perf_counter()
         logits, features = self.target.forward(rows)
         forward_s = time.perf_counter() - drafted
-        finished, offset, batch = [], 0, len(self._running)
-        before = sum(len(r.request.output) for r in self._running)
+        finished, offset, committed, batch = [], 0, 0, len(self._running)
         for running, tree in zip(list(self._running), trees):
             n = len(tree) + 1
             self._walk(running, tree, logits[offset : offset + n], features[offset : offset + n])
@@ -184,23 +182,18 @@ class BatchDecoder:
             stats = running.request.round_stats[-1]
             stats.draft_s, stats.forward_s = drafted - start, forward_s
             stats.round_s = stats.verify_s = time.perf_counter() - drafted
+            committed += stats.committed
             if running.request.stop_reason is not None:
                 self._leave(running)
                 finished.append(running.request)
-        committed = sum(len(r.request.output) for r in self._running) + sum(
-            len(r.output) for r in finished
-        )
-        self._remember_rate(batch, drafts, committed - before, time.perf_counter() - start)
+        if joint is not None:
+            self._remember_rate(batch, drafts, committed, time.perf_counter() - start)
         return finished
 
     def _remember_rate(
         self, batch: int, drafts: list[DraftLogits | None], tokens: int, seconds: float
     ) -> None:
         """Keep a joint round's tokens and time, by batch size and whether it drafted."""
-        if self.joint_cost_model is None or any(
-            r.request.policy.name != "caddtree" for r in self._running
-        ):
-            return
         drafted = any(d is not None for d in drafts)
         kept = self._rates.setdefault((batch, drafted), deque(maxlen=_RATE_ROUNDS))
         kept.append((tokens, seconds))
@@ -360,7 +353,7 @@ class BatchDecoder:
             )
         )
         if request.stop_reason is None:
-            rows = [0, *(k + 1 for k in nodes)]  # the verification's rows: node k is row k + 1
+            rows = verification_rows(nodes)
             self.target.compact(running.slot, running.length, rows)
             running.length += len(rows)
             accepted = features[torch.tensor(rows, device=features.device)]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from ..core.sampling import Sampler, TokenContext, walk_tree
-from ..core.tree import DraftTree, build_caddtree, build_chain, build_ddtree
+from ..core.tree import DraftTree, build_caddtree, build_chain, build_ddtree, verification_rows
 from ..util.checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
 from ..util.errors import InvalidInputError
 from .stats import GenerationResult, GenerationStats, RoundStats
@@ -407,7 +407,7 @@ class _Loop:
         )
         stats.round_s = time.perf_counter() - t0
         self.rounds.append(stats)
-        rows = [0, *(k + 1 for k in nodes)][:keep]  # where the kept tokens were chosen
+        rows = verification_rows(nodes)[:keep]  # where the kept tokens were chosen
         return _RoundOutcome(tree, stats, tokens, logits, rows, next_bonus, features, stop_reason)
 
 

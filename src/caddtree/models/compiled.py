@@ -207,8 +207,8 @@ _ARGUMENTS = tuple(inspect.signature(_layers).parameters)
 
 def _compiled_code(args: tuple[Any, ...]) -> tuple[Callable[..., Any], Any] | None:
     """The code dynamo compiled for :func:`_layers` whose guards pass for ``args``, as a function,
-    and those guards; ``None`` where this torch does not expose them (then every call goes
-    through ``torch.compile``'s frame evaluation).
+    and those guards; ``None`` where this torch does not expose them or no graph's guards pass
+    (then every call of that kind goes through ``torch.compile``'s frame evaluation).
 
     Dynamo's frame evaluation checks the guards of every graph compiled for a function before it
     runs one, which for these graphs (hundreds of weight tensors, a cache per layer) costs a
@@ -295,13 +295,11 @@ class CompiledLayers:
         """Run the graph of ``kind`` on ``args``: straight through the code dynamo compiled for
         it when dynamo's own guards for that code pass, else through ``torch.compile``'s frame
         evaluation (which compiles or picks the graph), remembering the code that ran."""
-        if kind in self._known and self._known[kind] is None:  # this torch: no shortcut
+        known = self._known.get(kind, ())
+        if known is None:  # this torch exposes no compiled code: no shortcut
             return self._graph(*args)
-        known = self._known.get(kind)
-        if known is not None:
-            code, guards = known
-            if guards.check(dict(zip(_ARGUMENTS, args))):
-                return code(*args)
+        if known and known[1].check(dict(zip(_ARGUMENTS, args))):
+            return known[0](*args)
         out = self._graph(*args)
         self._known[kind] = _compiled_code(args)
         return out

@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, verification_rows
 from ..util.errors import InvalidInputError
 from .attention import GQA_SDPA
 from .kvcache import ReservedLayer, reserved_cache
@@ -318,12 +318,11 @@ class TreeVerifier:
         alone; ``[0, 3]``: node 0 and its child node 3). Returns the context features of the
         committed tokens, ``[1, 1 + len(nodes), k*H]``.
         """
-        if self._pending is None:
-            raise InvalidInputError("commit() or discard() needs a verify() first")
+        tree, features = self._verification()
         nodes = [int(k) for k in nodes]
-        _check_path(self._pending[0], nodes)  # a refused path leaves the verification pending
-        tree, features = self._take_pending()
-        rows = [0, *(k + 1 for k in nodes)]  # a verification's row of node k is k + 1
+        _check_path(tree, nodes)  # a refused path leaves the verification pending
+        self._pending = None
+        rows = verification_rows(nodes)
         self._compact(self._length, rows)
         self._length += len(rows)
         if nodes == list(range(len(nodes))):
@@ -332,14 +331,15 @@ class TreeVerifier:
 
     def discard(self) -> None:
         """Drop the last :meth:`verify` from the KV cache: the context is as before it."""
-        self._take_pending()
+        self._verification()
+        self._pending = None
         self._compact(self._length, [])
 
-    def _take_pending(self) -> tuple[DraftTree, torch.Tensor]:
+    def _verification(self) -> tuple[DraftTree, torch.Tensor]:
+        """The pending verification's tree and features."""
         if self._pending is None:
             raise InvalidInputError("commit() or discard() needs a verify() first")
-        pending, self._pending = self._pending, None
-        return pending
+        return self._pending
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` committed tokens in the KV cache (the cache then holds
