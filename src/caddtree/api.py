@@ -338,6 +338,7 @@ class SpeculativeGenerator:
         import json
         from pathlib import Path
 
+        from .models.kernels import kernel_in_use
         from .util.defaults import cache_root
 
         ident = {
@@ -355,6 +356,8 @@ class SpeculativeGenerator:
             # and with and without weights packed for oneDNN, and between runtimes
             "packed_layers": self.packed_layers,
             "runtime": self.runtime,
+            # and between caddtree's bfloat16 linear kernel and oneDNN's (caddtree.models.kernels)
+            "linear_kernel": self.packed_layers > 0 and kernel_in_use(self.verifier.dtype),
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
             # 2: the grid measured in interleaved passes, in decoding's reserved cache; a model

@@ -4,8 +4,10 @@ runtime.
 :class:`~caddtree.models.lean.LeanTarget` pays a fixed cost per torch call (about 40 calls per
 decoder layer: norms, rotary, cache writes, attention, residuals), and on a small model on a CPU
 that cost is a large share of a forward. Compiled, the elementwise work of a layer is fused into a
-few C++ loops and the layer loop runs as generated C++ (``cpp_wrapper``), calling the same oneDNN
-packed linear kernels and the same attention kernel as the eager runtime.
+few C++ loops and the layer loop runs as generated C++ (``cpp_wrapper``), calling the same packed
+linear kernels (:func:`~caddtree.models.packing.packed_linear`: caddtree's bfloat16 kernel, a
+custom op inductor calls as it is, or oneDNN's) and the same attention kernel as the eager
+runtime.
 
 Two graphs serve every call of one sequence (cache slot 0 of a one-slot cache) after the prompt:
 
@@ -51,7 +53,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import shutil
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -63,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from ..util.defaults import cache_root
+from .kernels import cxx_compiler
 from .layers import LayerWeights, Shape, decoder_layer, rms_norm
 
 __all__ = ["CompiledLayers", "compile_progress", "compile_unsupported"]
@@ -81,14 +83,9 @@ def compile_unsupported(target: Any) -> str | None:
             return f"inductor's CPU path is not used for {target.dtype} here (bfloat16, float32)"
         if not target.pack:
             return "its linear layers are not packed for oneDNN (compiled plain linears are slow)"
-        if not _cxx_compiler():
+        if not cxx_compiler():
             return "no C++ compiler was found (inductor needs one: install g++ or set CXX)"
     return None
-
-
-def _cxx_compiler() -> str | None:
-    names = (os.environ.get("CXX"), "g++", "c++", "clang++")
-    return next((path for path in map(shutil.which, filter(None, names)) if path), None)
 
 
 def _lower_unfrozen_packed_linear() -> None:

@@ -1,6 +1,6 @@
 """The arithmetic of a Llama-family / Qwen3 decoder layer, shared by the lean runtime's eager
 forward (:mod:`caddtree.models.lean`) and its compiled graphs (:mod:`caddtree.models.compiled`):
-fused linear layers (packed for oneDNN on the CPU), RMSNorm, rotary embedding and the layer itself,
+fused linear layers (packed on the CPU), RMSNorm, rotary embedding and the layer itself,
 with the cache's part (writing keys and values, attending) left to the caller (:data:`Attend`).
 """
 
@@ -29,8 +29,9 @@ __all__ = [
 
 
 class Linear(NamedTuple):
-    """A linear layer over a weight made here (a fused one): oneDNN's packed copy alone where
-    packing applies (:meth:`of`), else the plain weight. A tuple of tensors, so that a compiled
+    """A linear layer over a weight made here (a fused one): its packed copy alone where packing
+    applies (:meth:`of`; caddtree's bfloat16 kernel or oneDNN, see
+    :func:`~caddtree.models.packing.pack_weight`), else the plain weight. A tuple of tensors, so that a compiled
     graph taking it checks no more than its tensors."""
 
     packed: torch.Tensor | None

@@ -6,8 +6,9 @@ recomputed per call, mask building, per-call checks. On the built-in SmolLM2 tar
 a one-token forward was that overhead. :class:`LeanTarget` runs the same arithmetic directly:
 
 * **Weights, laid out once.** q/k/v are fused into one linear and gate/up into another; on the CPU
-  each fused weight is packed for oneDNN (:func:`~caddtree.models.packing.pack_weight`) and only
-  the packed copy is kept (as much memory as packing the model's own layers took). Where nothing
+  each fused weight is packed (:func:`~caddtree.models.packing.pack_weight`: for caddtree's
+  bfloat16 kernel, :mod:`caddtree.models.kernels`, where the CPU has AVX512-BF16, else for
+  oneDNN) and only the packed copy is kept (as much memory as packing the model's own layers took). Where nothing
   is packed (CUDA, float64) the stacked q/k/v and gate/up weights are a second copy of the
   model's; o, down, the LM head and the embeddings are the model's own tensors.
 * **A static KV cache**: per layer one key and one value tensor ``[slots, kv_heads, capacity,

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import pack_rows, rows_linear
+
 __all__ = [
     "available_memory",
     "pack_linear_layers",
@@ -71,7 +73,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         and weight.dtype is dtype
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        return torch.ops.mkldnn._linear_pointwise(x, state.weight, self.bias, "none", [], "")
+        return packed_linear(x, state.weight, self.bias)
     return F.linear(x, weight, self.bias)
 
 
@@ -134,8 +136,13 @@ def packing_fits(needed: int, what: str, memory_limit: int | None = None) -> boo
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a linear ``weight`` [out, in] for :func:`packed_linear`, or
-    ``None`` where packing does not apply (not on the CPU, another dtype, no working kernel)."""
+    """A packed copy of a linear ``weight`` [out, in] for :func:`packed_linear`: laid out for
+    caddtree's own bfloat16 kernel where it applies (:func:`~caddtree.models.kernels.pack_rows`),
+    else for oneDNN; ``None`` where packing does not apply (not on the CPU, another dtype, no
+    working kernel)."""
+    rows = pack_rows(weight)
+    if rows is not None:
+        return rows
     if not _kernel_packs(weight):
         return None
     with torch.no_grad():
@@ -145,7 +152,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the weight's :func:`pack_weight` copy."""
+    """``F.linear(x, weight, bias)`` with the weight's :func:`pack_weight` copy (which kernel
+    runs follows from its layout: caddtree's is four-dimensional, oneDNN's two)."""
+    if packed.dim() == 4:
+        return rows_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -200,8 +210,9 @@ def pack_linear_layers(*modules: nn.Module | None, memory_limit: int | None = No
         todo = []
     for layer in todo:
         weight = layer.weight
-        with torch.no_grad():
-            packed = _pack(weight)
+        packed = pack_weight(weight)
+        if packed is None:
+            continue
         setattr(layer, _STATE, _Packed(packed, weight._version, weight.data_ptr()))
         layer.forward = types.MethodType(_packed_forward, layer)
     return sum(hasattr(layer, _STATE) for layer in layers)

@@ -1,0 +1,205 @@
+"""caddtree's own bfloat16 linear kernel for CPUs with AVX512-BF16 (``csrc/linear_bf16.cpp``).
+
+A decoding step or a tree verification multiplies a few rows by every weight of the model: the
+work is reading the weights once. oneDNN's packed linear (:mod:`caddtree.models.packing`) reads
+them at the machine's bandwidth too, but pays a fixed cost per call that, over the 120 linear
+calls of a forward of the built-in target, is a large share of it. The kernel here reads each
+weight in one sequential stream and starts with no set-up but its parallel loop;
+``benchmarks/linear_rows.py`` measures both side by side.
+
+The kernel is built once per machine (about 10 s with the C++ compiler inductor also uses), cached
+as ``<cache root>/kernels/linear_bf16-<key>.so`` (the key covers the source, the torch build and
+the compiler), loaded with ``torch.ops.load_library`` and checked on a probe against ``F.linear``
+before anything uses it. It applies to bfloat16 weights on the CPU whose output size is a multiple
+of 32 and input size even (:func:`pack_rows`); everything else keeps oneDNN or ``F.linear``.
+``CADDTREE_KERNELS=0`` turns it off (oneDNN then serves bfloat16 as before).
+
+A row's output is the same bits whatever the number of rows in the call (see the source), so
+plain decoding and tree verification through it agree exactly on their linear layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..util.defaults import cache_root
+from ..util.files import atomic_write
+
+__all__ = ["GROUP", "cxx_compiler", "kernel_available", "kernel_in_use", "pack_rows", "rows_linear"]
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+"""Output rows per group of the packed layout (``pack_rows``); the output size must be a
+multiple of it."""
+
+_ARCH_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+_BUILD_TIMEOUT_S = 600
+
+
+def _source() -> bytes:
+    return resources.files("caddtree.models").joinpath("csrc/linear_bf16.cpp").read_bytes()
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler found here (``$CXX``, else g++, c++ or clang++), as inductor would use."""
+    names = (os.environ.get("CXX"), "g++", "c++", "clang++")
+    return next((path for path in map(shutil.which, filter(None, names)) if path), None)
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+        return done.stdout.splitlines()[0] if done.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _command(cxx: str, source: Path, output: str) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libs = library_paths()
+    return [
+        cxx,
+        "-O3",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        *_ARCH_FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in include_paths()),
+        str(source),
+        *(f"-L{path}" for path in libs),
+        *(f"-Wl,-rpath,{path}" for path in libs),
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        "-o",
+        output,
+    ]
+
+
+def _library(cxx: str) -> Path:
+    """Where the kernel built for this source, torch and compiler lives (built now if missing)."""
+    source = _source()
+    key = hashlib.sha256(
+        b"\0".join(
+            (
+                source,
+                torch.__version__.encode(),
+                _compiler_version(cxx).encode(),
+                *map(str.encode, _ARCH_FLAGS),
+            )
+        )
+    ).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"linear_bf16-{key}.so"
+    if path.is_file():
+        return path
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / ".build.lock")):
+        if not path.is_file():
+            logger.info("building caddtree's bfloat16 linear kernel for this CPU (once; ~10 s)")
+            source_path = path.with_suffix(".cpp")
+            atomic_write(source_path, lambda tmp: Path(tmp).write_bytes(source))
+            atomic_write(path, lambda tmp: _compile(cxx, source_path, tmp))
+    return path
+
+
+def _compile(cxx: str, source: Path, output: str) -> None:
+    done = subprocess.run(
+        _command(cxx, source, output), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr[-2000:]}")
+
+
+def _unavailable() -> str | None:
+    """Why the kernel cannot be used here (``None``: it may be built)."""
+    if os.environ.get("CADDTREE_KERNELS", "").strip().lower() in ("0", "off", "false", "no"):
+        return "CADDTREE_KERNELS turns it off"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "this CPU has no AVX512-BF16"
+    if cxx_compiler() is None:
+        return "no C++ compiler was found (install g++ or set CXX)"
+    return None
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("caddtree::linear_bf16")
+    def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0] * GROUP))
+
+
+def _probe() -> bool:
+    """The kernel against ``F.linear`` on a random probe, and a row alone against the same row
+    among others (bit for bit)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2 * GROUP, 70, generator=generator).bfloat16()
+    bias = torch.randn(2 * GROUP, generator=generator).bfloat16()
+    x = torch.randn(11, 70, generator=generator).bfloat16()
+    packed = pack_rows(weight, check=False)
+    out = rows_linear(x, packed, bias)
+    reference = F.linear(x.float(), weight.float(), bias.float())
+    close = torch.allclose(out.float(), reference, rtol=1e-2, atol=1e-2)
+    alone = torch.cat([rows_linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
+    return bool(close and torch.equal(alone, out))
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether the kernel is built, loaded and passed its probe in this process (built on first
+    use; a failure is logged once and leaves bfloat16 to oneDNN)."""
+    reason = _unavailable()
+    if reason is not None:
+        logger.debug("caddtree's bfloat16 linear kernel is not used: %s", reason)
+        return False
+    try:
+        if not hasattr(torch.ops.caddtree, "linear_bf16"):
+            torch.ops.load_library(str(_library(cxx_compiler())))
+            _register_fake()
+        if _probe():
+            return True
+        logger.warning("caddtree's bfloat16 linear kernel failed its probe; oneDNN is used")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("caddtree's bfloat16 linear kernel is not used: %s", exc)
+    return False
+
+
+def kernel_in_use(dtype: torch.dtype) -> bool:
+    """Whether packed CPU layers of ``dtype`` run on the kernel (bfloat16 where it is available)."""
+    return dtype is torch.bfloat16 and kernel_available()
+
+
+def pack_rows(weight: torch.Tensor, *, check: bool = True) -> torch.Tensor | None:
+    """``weight`` [N, K] laid out for the kernel, [N/32, K/2, 32, 2] (a copy), or ``None`` where
+    the kernel does not apply: not bfloat16 on the CPU, N not a multiple of 32, K odd, or the
+    kernel unavailable (``check``)."""
+    if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if n % GROUP or k % 2 or n == 0 or (check and not kernel_available()):
+        return None
+    with torch.no_grad():
+        grouped = weight.detach().reshape(n // GROUP, GROUP, k // 2, 2)
+        return grouped.permute(0, 2, 1, 3).contiguous()
+
+
+def rows_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight's :func:`pack_rows` copy."""
+    return torch.ops.caddtree.linear_bf16(x, packed, bias)

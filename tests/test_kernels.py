@@ -1,0 +1,153 @@
+"""caddtree's bfloat16 linear kernel (caddtree.models.kernels): what it computes, that a row's
+result does not depend on the rows beside it, where it applies, how it is turned off, and that
+packed layers and the lean runtime run on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from caddtree.models import kernels
+from caddtree.models.packing import pack_linear_layers, pack_weight, packed_linear
+
+pytestmark = pytest.mark.skipif(
+    not kernels.kernel_available(), reason="caddtree's bfloat16 kernel needs AVX512-BF16 and g++"
+)
+
+
+def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n, k, generator=generator).bfloat16(),
+        torch.randn(n, generator=generator).bfloat16(),
+    )
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The exact product of the bfloat16 numbers, in float64."""
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize(("n", "k"), [(32, 2), (64, 70), (96, 576), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_kernel_computes_the_linear_layer(n, k, rows, with_bias):
+    weight, bias = weights(n, k)
+    bias = bias if with_bias else None
+    x = torch.randn(rows, k).bfloat16()
+    out = kernels.rows_linear(x, kernels.pack_rows(weight), bias)
+    assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
+    exact = reference(x, weight, bias)
+    # float32 accumulation, then one rounding to bfloat16 (relative 2^-8)
+    error = (out.double() - exact).abs() / exact.abs().clamp(min=1.0)
+    assert error.max() < 1e-2
+    # as close as torch's own bfloat16 linear
+    torch_error = (F.linear(x, weight, bias).double() - exact).abs() / exact.abs().clamp(min=1.0)
+    assert error.mean() <= 1.5 * torch_error.mean() + 1e-4
+
+
+def test_a_row_gives_the_same_bits_alone_or_among_others():
+    weight, bias = weights(960, 576)
+    packed = kernels.pack_rows(weight)
+    x = torch.randn(37, 576).bfloat16()
+    together = kernels.rows_linear(x, packed, bias)
+    for i in range(x.shape[0]):
+        assert torch.equal(kernels.rows_linear(x[i : i + 1], packed, bias), together[i : i + 1])
+    # and in any grouping of the rows (8, 4, 2 and 1 at a time inside the kernel)
+    for size in (2, 5, 16):
+        parts = [kernels.rows_linear(x[s : s + size], packed, bias) for s in range(0, 37, size)]
+        assert torch.equal(torch.cat(parts), together)
+
+
+def test_inputs_of_any_shape_and_layout():
+    weight, bias = weights(64, 40)
+    packed = kernels.pack_rows(weight)
+    x = torch.randn(2, 9, 40).bfloat16()
+    expected = kernels.rows_linear(x.reshape(18, 40), packed, bias).view(2, 9, 64)
+    assert torch.equal(kernels.rows_linear(x, packed, bias), expected)
+    transposed = x.transpose(0, 1)  # not contiguous
+    assert torch.equal(kernels.rows_linear(transposed, packed, bias), expected.transpose(0, 1))
+    assert kernels.rows_linear(x[:0], packed, bias).shape == (0, 9, 64)
+
+
+def test_bad_inputs_get_clear_errors():
+    weight, _ = weights(64, 40)
+    packed = kernels.pack_rows(weight)
+    with pytest.raises(RuntimeError, match="input has 39 features, the weight takes 40"):
+        kernels.rows_linear(torch.randn(2, 39).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="bfloat16 input and weight expected"):
+        kernels.rows_linear(torch.randn(2, 40), packed)
+    with pytest.raises(RuntimeError, match="packed by caddtree.models.kernels.pack_rows"):
+        kernels.rows_linear(torch.randn(2, 40).bfloat16(), weight)
+    with pytest.raises(RuntimeError, match="bias has 3 values, not 64"):
+        kernels.rows_linear(torch.randn(2, 40).bfloat16(), packed, torch.ones(3).bfloat16())
+
+
+def test_where_the_kernel_applies():
+    assert kernels.pack_rows(torch.randn(64, 40).bfloat16()).shape == (2, 20, 32, 2)
+    assert kernels.pack_rows(torch.randn(64, 40)) is None  # float32: oneDNN
+    assert kernels.pack_rows(torch.randn(48, 40).bfloat16()) is None  # 48 rows: not 32k
+    assert kernels.pack_rows(torch.randn(64, 41).bfloat16()) is None  # odd input size
+    assert kernels.kernel_in_use(torch.bfloat16) and not kernels.kernel_in_use(torch.float32)
+
+
+def test_packing_takes_the_kernel_for_bfloat16_and_onednn_otherwise():
+    weight, bias = weights(64, 40)
+    ours = pack_weight(weight)
+    assert ours.dim() == 4  # caddtree's layout
+    assert pack_weight(weight.float()).dim() == 2  # oneDNN's
+    x = torch.randn(5, 40).bfloat16()
+    assert torch.equal(packed_linear(x, ours, bias), kernels.rows_linear(x, ours, bias))
+    layer = torch.nn.Linear(40, 64).bfloat16()
+    assert pack_linear_layers(layer) == 1
+    assert layer._caddtree_packed.weight.dim() == 4
+    with torch.no_grad():
+        torch.testing.assert_close(
+            layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), rtol=0, atol=2e-2
+        )
+
+
+def test_caddtree_kernels_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("CADDTREE_KERNELS", "0")
+    kernels.kernel_available.cache_clear()
+    try:
+        assert not kernels.kernel_available()
+        assert kernels.pack_rows(torch.randn(64, 40).bfloat16()) is None
+        assert pack_weight(torch.randn(64, 40).bfloat16()).dim() == 2  # oneDNN serves bfloat16
+    finally:
+        monkeypatch.delenv("CADDTREE_KERNELS")
+        kernels.kernel_available.cache_clear()
+    assert kernels.kernel_available()
+
+
+def test_the_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("CADDTREE_CACHE", str(tmp_path))
+    built = kernels._library(kernels.cxx_compiler())
+    assert built.parent == tmp_path / "kernels" and built.is_file()
+    stamp = built.stat().st_mtime_ns
+    assert kernels._library(kernels.cxx_compiler()) == built
+    assert built.stat().st_mtime_ns == stamp  # found, not built again
+    assert not list(built.parent.glob("*.tmp*"))  # nothing half-written left behind
+
+
+def test_the_lean_runtime_runs_its_layers_on_the_kernel():
+    """The tiny Qwen3 target in bfloat16: every fused linear layer of the lean runtime is packed
+    for the kernel, and its logits stay as close to transformers' bfloat16 ones as before."""
+    from caddtree.models.lean import LeanVerifier
+    from tiny_models import qwen3_target
+
+    model = qwen3_target("sdpa").to(torch.bfloat16)
+    verifier = LeanVerifier(model, (), compile="off")
+    for layer in verifier.target.layers:
+        assert all(
+            linear.packed.dim() == 4 for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+    verifier.reset()
+    ids = torch.tensor([5, 17, 3, 44, 8, 21, 30])
+    ours = verifier.prefill(ids)[0].float()
+    with torch.no_grad():
+        theirs = model(ids[None]).logits[0, -1].float()
+        exact = model.double()(ids[None]).logits[0, -1]
+    # as close to the float64 logits as transformers' own bfloat16 forward
+    assert (ours - exact).abs().max() <= 1.5 * (theirs - exact).abs().max() + 1e-3
