@@ -76,7 +76,8 @@ def topk_rows(
 ) -> dict[str, torch.Tensor]:
     """The stored rows (module docstring) of the target's final hidden states ``hidden`` [N, H]
     (after its final norm): the logits of the whole vocabulary give the normalisation, the top
-    ``k`` is taken over the draft vocabulary's columns. On the CPU; ``chunk`` rows at a time."""
+    ``k`` is taken over the draft vocabulary's columns; ``chunk`` rows at a time, returned on the
+    CPU."""
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in _FIELDS}
     columns = None if spec.draft_ids is None else spec.draft_ids.to(hidden.device)
     id_dtype = torch.int16 if spec.size <= torch.iinfo(torch.int16).max else torch.int32
