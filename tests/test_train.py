@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashDraftModel, DFlashProposer, TreeVerifier
-from caddtree.train.data import TrainingData, generate_responses, prepare_data
+from caddtree.train.data import TrainingData, prepare_data
 from caddtree.train.features import compute_features
 from caddtree.train.loss import AnchorBlockLoss, build_training_batch, dpace_weights
-from caddtree.train.trainer import TrainConfig, train_drafter
-from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target
+from caddtree.train.trainer import train_drafter
+from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target, train_config, training_data
 from tiny_tokenizer import tiny_tokenizer
 
 
@@ -26,33 +26,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def data(target):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(
-            2, 90, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen
-        ).tolist()
-        for _ in range(40)
-    ]
-    return generate_responses(target, prompts, max_new_tokens=24, batch_size=8, progress=False)
+    return training_data(target)
 
 
-def config(**overrides) -> TrainConfig:
-    base = dict(
-        block_size=6,
-        num_layers=1,
-        num_feature_layers=2,
-        mask_token_id=MASK_TOKEN_ID,
-        steps=60,
-        anchors_per_sample=8,
-        samples_per_step=2,
-        warmup_steps=5,
-        learning_rate=3e-3,
-        eval_every=10,
-        save_every=30,
-        eval_fraction=0.2,
-    )
-    base.update(overrides)
-    return TrainConfig(**base)
+config = train_config
 
 
 def test_generate_responses_is_greedy_and_keeps_order(target, data):

@@ -3,6 +3,8 @@
 * :func:`qwen3_target` / :func:`llama_target` - 4-layer causal LMs with grouped-query attention.
 * :func:`saved_drafter` - a DFlash drafter for a target, written in the released checkpoint
   format and loaded back through ``DFlashDraftModel.from_pretrained``.
+* :func:`training_data` / :func:`train_config` - the drafter-training tests' data (the target's
+  greedy responses to random prompts) and their small training settings.
 
 Weights are re-drawn with a seeded generator at a larger scale than transformers' init (and norm
 weights away from 1), so that a wrong mask, position or cache entry changes the outputs visibly.
@@ -85,3 +87,39 @@ def saved_drafter(target: PreTrainedModel, directory: Path, seed: int = 2, **kwa
     drafter.save_pretrained(directory)
     loaded = DFlashDraftModel.from_pretrained(directory, dtype=torch.float64)
     return drafter, loaded.eval()
+
+
+def training_data(target: PreTrainedModel, samples: int = 40):
+    """The target's greedy responses (24 new tokens) to ``samples`` random prompts of 3-7 tokens."""
+    from caddtree.train.data import generate_responses
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(
+            2, 90, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(samples)
+    ]
+    return generate_responses(target, prompts, max_new_tokens=24, batch_size=8, progress=False)
+
+
+def train_config(**overrides):
+    """Training settings small enough for a test (blocks of 6, 2 samples x 8 blocks per step)."""
+    from caddtree.train.trainer import TrainConfig
+
+    base = dict(
+        block_size=6,
+        num_layers=1,
+        num_feature_layers=2,
+        mask_token_id=MASK_TOKEN_ID,
+        steps=60,
+        anchors_per_sample=8,
+        samples_per_step=2,
+        warmup_steps=5,
+        learning_rate=3e-3,
+        eval_every=10,
+        save_every=30,
+        eval_fraction=0.2,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)

@@ -114,6 +114,10 @@ def _train_config(args: argparse.Namespace) -> Any:
         precision=args.precision,
         loss_weighting=args.loss_weighting,
         dpace_alpha=args.dpace_alpha,
+        ce_weight=args.ce_weight,
+        l1_weight=args.l1_weight,
+        lk_weight=args.lk_weight,
+        target_topk=args.target_topk,
     )
     config.validate()
     return config
@@ -384,6 +388,40 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_loss_terms(p: argparse.ArgumentParser) -> None:
+    """The weights of the loss's terms, and the target's distribution the L1 and LK terms use."""
+    p.add_argument(
+        "--ce-weight",
+        type=float,
+        default=1.0,
+        help="weight of the cross-entropy on the target's greedy tokens (default 1)",
+    )
+    p.add_argument(
+        "--l1-weight",
+        type=float,
+        default=0.0,
+        help="weight of L1 = sum |p - q| = 2 TV between the target's and the drafter's "
+        "distributions over the draft vocabulary, at each block position (default 0; DSpark's "
+        "recipe: --ce-weight 0.1 --l1-weight 0.9)",
+    )
+    p.add_argument(
+        "--lk-weight",
+        type=float,
+        default=0.0,
+        help="weight of the LK term -log(1 - TV), the negative log of the acceptance "
+        "(LK-alpha of arXiv 2602.23881; default 0)",
+    )
+    p.add_argument(
+        "--target-topk",
+        type=int,
+        default=None,
+        help="store the target's K most likely draft-vocabulary tokens per response position "
+        "with the context features (4K + 8 bytes per token), for the L1 and LK terms and the "
+        "per-position 1 - TV of the evaluation (default: 32 when --l1-weight or --lk-weight is "
+        "set, else none; 0: none)",
+    )
+
+
 def _add_training_options(p: argparse.ArgumentParser) -> None:
     """The drafter's shape, the training schedule and loss, and the export options."""
     p.add_argument("--block-size", type=int, default=16)
@@ -429,6 +467,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
         default=0.5,
         help="smoothing of the drafter's confidences under --loss-weighting dpace, in (0, 1]",
     )
+    _add_loss_terms(p)
     p.add_argument(
         "--init-from",
         help="start a new run from this drafter's weights (released format) instead of random; "

@@ -5,6 +5,8 @@
 ``magpie``      prompts the target writes itself (Magpie), and users' prompt files
 ``data``        stage 1: the frozen target's responses (``data.safetensors``); draft vocabulary
 ``features``    stage 2: the target's context features of every token (``features.safetensors``)
+``targets``     stage 2, optional: the target's next-token top-k over the draft vocabulary at
+                every response position (stored with the features), for the L1 / LK terms
 ``loss``        stage 3's anchor-block loss, and the held-out figures (chain walk) made with it
 ``trainer``     stage 3: AdamW over that loss, checkpoints in the released format
                 (``checkpoint/``)
@@ -30,7 +32,11 @@ _EXPORTS = {
     "prepare_data": "data",
     "target_fingerprint": "data",
     "compute_features": "features",
+    "compute_features_and_targets": "features",
     "load_features": "features",
+    "load_targets": "features",
+    "TargetDistributions": "targets",
+    "TopKSpec": "targets",
     "TrainConfig": "trainer",
     "AnchorBlockLoss": "loss",
     "build_training_batch": "loss",

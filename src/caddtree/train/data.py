@@ -29,6 +29,7 @@ __all__ = [
     "TrainingData",
     "chat_prompt_ids",
     "choose_draft_vocab",
+    "describe_differences",
     "draft_vocab_coverage",
     "generate_responses",
     "prepare_data",
@@ -149,7 +150,7 @@ def target_fingerprint(target: Any) -> dict[str, str]:
     return {"target": weights_digest(target), "dtype": dtype_name(dtype)}
 
 
-def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
+def describe_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
     """``settings (max_new_tokens: saved 128, now 256; ...)`` for an error message."""
     parts = [
         f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in wanted.items() if saved.get(k) != v
@@ -193,7 +194,7 @@ def prepare_data(
             for seq, p, ids in zip(done.sequences, done.prompt_lengths, prompt_ids)
         )
         if saved != settings or not same_prompts:
-            what = "prompts" if saved == settings else _differences(saved, settings)
+            what = "prompts" if saved == settings else describe_differences(saved, settings)
             raise InvalidInputError(
                 f"{path} holds responses for other {what}; delete it or use another output "
                 "directory"

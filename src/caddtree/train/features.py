@@ -3,6 +3,11 @@
 cached in ``features.safetensors`` under a key of the layers, the data and the target
 (:func:`cached_features`). When the data grows by appending samples, only the new samples'
 features are computed; the file then holds one part per extension (:func:`load_features`).
+
+When the loss needs the target's distribution (its L1 / LK terms), the same forward also gives
+the target's next-token top-k over the draft vocabulary at every response position
+(:mod:`caddtree.train.targets`, :func:`compute_features_and_targets`), cached in the same file
+and key (:func:`cached_pass`, :func:`load_targets`).
 """
 
 from __future__ import annotations
@@ -19,11 +24,100 @@ from safetensors.torch import load_file, save_file
 from ..models.target import extract_context_features
 from ..util.files import atomic_write
 from .data import TrainingData, target_fingerprint
+from .targets import TargetDistributions, TopKSpec, topk_rows
 
-__all__ = ["cached_features", "compute_features", "load_features"]
+__all__ = [
+    "cached_features",
+    "cached_pass",
+    "compute_features",
+    "compute_features_and_targets",
+    "load_features",
+    "load_targets",
+]
+
+
+def _length_batches(data: TrainingData, max_batch_tokens: int) -> list[list[int]]:
+    """Sample indices in batches of similar length, up to ``max_batch_tokens`` tokens once padded
+    to the longest (a lone sequence longer than that is a batch of its own)."""
+    order = sorted(range(len(data.sequences)), key=lambda i: len(data.sequences[i]))
+    batches, start = [], 0
+    while start < len(order):
+        # sorted by length, so the last sequence of a batch is its longest
+        end = start + 1
+        while end < len(order) and (end - start + 1) * len(data.sequences[order[end]]) <= (
+            max_batch_tokens
+        ):
+            end += 1
+        batches.append(order[start:end])
+        start = end
+    return batches
 
 
 @torch.inference_mode()
+def _feature_pass(
+    target: Any,
+    data: TrainingData,
+    layer_ids: Sequence[int],
+    topk: TopKSpec | None,
+    max_batch_tokens: int,
+    progress: bool,
+) -> tuple[list[torch.Tensor], TargetDistributions | None]:
+    """Every sample's context features and, with ``topk`` (and samples), the target's
+    next-token rows of their response positions (:func:`~caddtree.train.targets.topk_rows`).
+
+    Sequences of similar length run together, right-padded to the longest: under causal
+    attention a position never sees the padding after it, so each row's features are those of
+    the sequence alone.
+    """
+    from tqdm.auto import tqdm
+
+    device = target.get_input_embeddings().weight.device
+    select = [i + 1 for i in layer_ids]
+    n = len(data.sequences)
+    feats: list[torch.Tensor | None] = [None] * n
+    rows: list[dict[str, torch.Tensor] | None] = [None] * n
+    bar = tqdm(total=n, desc="context features", unit="seq", disable=not progress)
+    for idx in _length_batches(data, max_batch_tokens):
+        width = len(data.sequences[idx[-1]])
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, : len(data.sequences[i])] = data.sequences[i]
+        # the decoder alone: the lm_head runs on the response rows only, when asked to
+        out = target.get_decoder()(
+            input_ids=ids.to(device), output_hidden_states=select, use_cache=False
+        )
+        batch = extract_context_features(out.hidden_states, layer_ids).cpu()
+        for row, i in enumerate(idx):
+            feats[i] = batch[row, : len(data.sequences[i])].clone()
+        if topk is not None:
+            _response_rows(target, data, idx, out.last_hidden_state, topk, rows)
+        bar.update(len(idx))
+    bar.close()
+    if topk is None or n == 0:
+        return feats, None
+    flat = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
+    return feats, TargetDistributions(flat, _response_row_counts(data, n), topk.key())
+
+
+def _response_rows(
+    target: Any,
+    data: TrainingData,
+    idx: Sequence[int],
+    last_hidden: torch.Tensor,
+    topk: TopKSpec,
+    rows: list,
+) -> None:
+    """Set ``rows[i]`` for the samples ``idx`` of a batch from its final hidden states: the
+    target's next-token rows of positions ``P .. T-2`` of each (:mod:`caddtree.train.targets`)."""
+    spans = [(data.prompt_lengths[i], len(data.sequences[i]) - 1) for i in idx]
+    hidden = torch.cat([last_hidden[r, p:t] for r, (p, t) in enumerate(spans)])
+    computed = topk_rows(hidden, target.get_output_embeddings(), topk)
+    counts = [max(t - p, 0) for p, t in spans]
+    split = {name: torch.split(value, counts) for name, value in computed.items()}
+    for j, i in enumerate(idx):
+        rows[i] = {name: parts[j].clone() for name, parts in split.items()}
+
+
 def compute_features(
     target: Any,
     data: TrainingData,
@@ -32,43 +126,24 @@ def compute_features(
     max_batch_tokens: int = 4096,
     progress: bool = True,
 ) -> list[torch.Tensor]:
-    """Context features [T, k*H] of every sequence (stored in the target's dtype, on the CPU).
+    """Context features [T, k*H] of every sequence (stored in the target's dtype, on the CPU),
+    computed ``max_batch_tokens`` tokens per forward at most."""
+    return _feature_pass(target, data, layer_ids, None, max_batch_tokens, progress)[0]
 
-    Sequences of similar length run together, right-padded to the longest, up to
-    ``max_batch_tokens`` tokens per forward: under causal attention a position never sees the
-    padding after it, so each row's features are those of the sequence alone.
+
+def compute_features_and_targets(
+    target: Any,
+    data: TrainingData,
+    layer_ids: Sequence[int],
+    topk: TopKSpec,
+    *,
+    max_batch_tokens: int = 4096,
+    progress: bool = True,
+) -> tuple[list[torch.Tensor], TargetDistributions]:
+    """:func:`compute_features` and, from the same forward, the target's next-token top-k rows
+    of every sample's response positions (:class:`~caddtree.train.targets.TargetDistributions`).
     """
-    from tqdm.auto import tqdm
-
-    device = target.get_input_embeddings().weight.device
-    select = [i + 1 for i in layer_ids]
-    order = sorted(range(len(data.sequences)), key=lambda i: len(data.sequences[i]))
-    feats: list[torch.Tensor | None] = [None] * len(order)
-    bar = tqdm(total=len(order), desc="context features", unit="seq", disable=not progress)
-    start = 0
-    while start < len(order):
-        # sorted by length, so the last sequence of a batch is its longest
-        end = start + 1
-        while end < len(order) and (end - start + 1) * len(data.sequences[order[end]]) <= (
-            max_batch_tokens
-        ):
-            end += 1
-        idx = order[start:end]
-        width = len(data.sequences[idx[-1]])
-        ids = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, : len(data.sequences[i])] = data.sequences[i]
-        # the decoder alone: the lm_head's logits over the vocabulary are not needed here
-        out = target.get_decoder()(
-            input_ids=ids.to(device), output_hidden_states=select, use_cache=False
-        )
-        batch = extract_context_features(out.hidden_states, layer_ids).cpu()
-        for row, i in enumerate(idx):
-            feats[i] = batch[row, : len(data.sequences[i])].clone()
-        bar.update(len(idx))
-        start = end
-    bar.close()
-    return feats
+    return _feature_pass(target, data, layer_ids, topk, max_batch_tokens, progress)
 
 
 def _data_digest(data: TrainingData, n: int) -> str:
@@ -81,26 +156,38 @@ def _data_digest(data: TrainingData, n: int) -> str:
     return digest.hexdigest()
 
 
-def _parts(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
-    """The (features, lengths) tensor names of a cache file's parts, in order."""
-    names = [("features", "lengths")]
-    while f"features.{len(names)}" in tensors:
-        names.append((f"features.{len(names)}", f"lengths.{len(names)}"))
-    return names
+def _suffixes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The name suffixes of a cache file's parts, in order: ``features``, ``features.1``, ..."""
+    suffixes = [""]
+    while f"features.{len(suffixes)}" in tensors:
+        suffixes.append(f".{len(suffixes)}")
+    return suffixes
 
 
 def _samples(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Every sample's features (views) in a cache file's tensors, in sample order."""
     return [
         f
-        for feats, lengths in _parts(tensors)
-        for f in torch.split(tensors[feats], tensors[lengths].tolist())
+        for s in _suffixes(tensors)
+        for f in torch.split(tensors[f"features{s}"], tensors[f"lengths{s}"].tolist())
     ]
 
 
 def load_features(path: str | Path) -> list[torch.Tensor]:
     """Every sample's context features from a ``features.safetensors`` file, in sample order."""
     return _samples(load_file(path))
+
+
+def load_targets(path: str | Path) -> TargetDistributions | None:
+    """The target's next-token rows stored in a ``features.safetensors`` file (``None`` if it
+    has none)."""
+    key = _cache_key(Path(path))
+    return _targets_in(load_file(path), key) if key.get("next_token") else None
+
+
+def _targets_in(tensors: dict[str, torch.Tensor], key: dict) -> TargetDistributions:
+    """The target's rows in a cache file's ``tensors`` (made under ``key``)."""
+    return TargetDistributions.from_parts(tensors, _suffixes(tensors), key["next_token"])
 
 
 def _cache_key(path: Path) -> dict:
@@ -111,42 +198,85 @@ def _cache_key(path: Path) -> dict:
     return key if isinstance(key, dict) else {}
 
 
-def cached_features(target, data, layer_ids, path: Path, progress: bool) -> list[torch.Tensor]:
-    """The context features of ``data``, read from ``path`` as far as it holds them and computed
-    (:func:`compute_features`) for the rest.
+def _response_row_counts(data: TrainingData, n: int) -> list[int]:
+    """How many next-token rows each of the first ``n`` samples has (``T-1-P``)."""
+    return [max(len(s) - 1 - p, 0) for s, p in zip(data.sequences[:n], data.prompt_lengths[:n])]
 
-    A cache is used when it was made for these layers and this target
-    (:func:`target_fingerprint`) from the first samples of ``data`` (same samples, checked by a
-    digest of their tokens; files written before the digest existed are checked by their token
-    count): then only the samples appended since are computed and added to the file as a new
-    part. Anything else is computed afresh and replaces the file.
-    """
-    fixed = {"layers": list(layer_ids), **target_fingerprint(target)}
-    tensors: dict[str, torch.Tensor] = {}
-    reused: list[torch.Tensor] = []
+
+def _usable_cache(
+    path: Path, data: TrainingData, fixed: dict, topk: TopKSpec | None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and key of the cache at ``path`` when they can serve ``data`` (see
+    :func:`cached_pass`), else ``({}, {})``."""
     try:
         key = _cache_key(path) if path.is_file() else {}
         n = key.get("n")
-        if (
+        if not (
             {k: key.get(k) for k in fixed} == fixed
             and isinstance(n, int)
             and 0 < n <= len(data.sequences)
             and key.get("tokens") == int(sum(len(s) for s in data.sequences[:n]))
             # files from before the digest have none; their token count was checked above
             and key.get("digest") in (None, _data_digest(data, n))
+            # rows of another k or draft vocabulary, or none, cannot serve the loss
+            and (topk is None or key.get("next_token") == topk.key())
         ):
-            tensors = load_file(path)
-            reused = _samples(tensors)
-            if len(reused) != n:  # a damaged file: start again
-                tensors, reused = {}, []
-    except Exception:  # an unreadable cache is only lost work: compute the features again
-        tensors, reused = {}, []
+            return {}, {}
+        tensors = load_file(path)
+        if len(_samples(tensors)) != n:  # a damaged file: start again
+            return {}, {}
+        if key.get("next_token"):
+            names = [TargetDistributions.tensor_names(s)["counts"] for s in _suffixes(tensors)]
+            counts = torch.cat([tensors[name] for name in names]).tolist()
+            if counts != _response_row_counts(data, n):
+                return {}, {}
+    except Exception:  # an unreadable cache is only lost work: compute it again
+        return {}, {}
+    return tensors, key
+
+
+def cached_features(target, data, layer_ids, path: Path, progress: bool) -> list[torch.Tensor]:
+    """The context features of ``data``: :func:`cached_pass` without the target's rows."""
+    return cached_pass(target, data, layer_ids, path, progress)[0]
+
+
+def cached_pass(
+    target: Any,
+    data: TrainingData,
+    layer_ids: Sequence[int],
+    path: Path,
+    progress: bool,
+    topk: TopKSpec | None = None,
+) -> tuple[list[torch.Tensor], TargetDistributions | None]:
+    """The context features of ``data`` and, with ``topk``, the target's next-token rows
+    (:mod:`caddtree.train.targets`), read from ``path`` as far as it holds them and computed
+    for the rest in one forward (:func:`compute_features_and_targets`).
+
+    A cache is used when it was made for these layers and this target
+    (:func:`target_fingerprint`) from the first samples of ``data`` (same samples, checked by a
+    digest of their tokens; files written before the digest existed are checked by their token
+    count) and, with ``topk``, holds rows of that ``k`` and draft vocabulary: then only the
+    samples appended since are computed and added to the file as a new part. Anything else is
+    computed afresh and replaces the file: a cache without rows (or with other rows) is never
+    used for a loss that needs them. Without ``topk`` a cache's rows are ignored, and dropped
+    from the file if it grows (its new part would have none).
+    """
+    fixed = {"layers": list(layer_ids), **target_fingerprint(target)}
+    tensors, key = _usable_cache(path, data, fixed, topk)
+    reused = _samples(tensors) if tensors else []
+    if topk is None and key.get("next_token") and len(reused) < len(data.sequences):
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("next_")}
     if len(reused) == len(data.sequences):
-        return reused
+        return reused, _targets_in(tensors, key) if topk is not None else None
     rest = TrainingData(data.sequences[len(reused) :], data.prompt_lengths[len(reused) :])
-    new = compute_features(target, rest, layer_ids, progress=progress)
-    part = len(_parts(tensors)) if tensors else 0
-    suffix = f".{part}" if part else ""
+    suffix = f".{len(_suffixes(tensors))}" if tensors else ""
+    if topk is None:
+        new = compute_features(target, rest, layer_ids, progress=progress)
+    else:
+        new, computed = compute_features_and_targets(
+            target, rest, layer_ids, topk, progress=progress
+        )
+        tensors.update(computed.named_tensors(suffix))
     lengths = [f.shape[0] for f in new]
     tensors[f"features{suffix}"] = torch.cat(new)
     tensors[f"lengths{suffix}"] = torch.tensor(lengths)
@@ -158,6 +288,7 @@ def cached_features(target, data, layer_ids, path: Path, progress: bool) -> list
         "n": n,
         "tokens": int(sum(len(s) for s in data.sequences)),
         "digest": _data_digest(data, n),
+        "next_token": None if topk is None else topk.key(),
     }
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"key": json.dumps(key)}))
-    return reused + new
+    return reused + new, _targets_in(tensors, key) if topk is not None else None

@@ -5,8 +5,12 @@ context features strictly before its anchor and itself (bidirectionally), never 
 (:func:`build_training_batch`). The loss is cross-entropy through the target's frozen ``lm_head``
 on block positions ``1 .. B-1`` (predicting tokens ``anchor+1 .. anchor+B-1``), weighted by
 ``exp(-(k - 1) / gamma)`` for position ``k`` or by D-PACE (:func:`dpace_weights`)
-(:class:`AnchorBlockLoss`). :func:`evaluate` reports it on held-out samples, with the chain
-decoding that teacher-forced blocks imply (:meth:`AnchorBlockLoss.chain_walk`).
+(:class:`AnchorBlockLoss`). With the target's next-token distribution stored by the feature pass
+(:mod:`caddtree.train.targets`), the loss can mix in the L1 distance ``sum |p - q| = 2 TV(p, q)``
+between the target's and the drafter's distributions and the LK term ``-log(1 - TV)``
+(:func:`distribution_terms`, :func:`lk_term`), with the same position weights. :func:`evaluate`
+reports it on held-out samples, with acceptance per block position and the chain decoding that
+teacher-forced blocks imply (:meth:`AnchorBlockLoss.chain_walk`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import torch
 from ..models.dflash import draft_lm_head
 
 __all__ = [
+    "LK_FLOOR",
     "WALK_BUDGET",
     "WALK_SAMPLES",
     "AnchorBlockLoss",
     "build_training_batch",
+    "distribution_terms",
     "dpace_weights",
     "evaluate",
+    "lk_term",
 ]
 
 
@@ -95,13 +102,91 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
     return reach.flip(-1).cumsum(-1).flip(-1) * valid
 
 
+LK_FLOOR = 1e-6
+"""The acceptance below which the LK term ``-log(acceptance)`` stops growing (and its gradient
+is zero), so that a block position the target and the drafter share no mass on stays finite."""
+
+
+def lk_term(accept: torch.Tensor) -> torch.Tensor:
+    """The LK-alpha loss of arXiv 2602.23881 (LK losses): ``-log(acceptance)``, with the
+    acceptance floored at :data:`LK_FLOOR`. Its gradient is TV's scaled by ``1 / acceptance``;
+    at a one-token target distribution it is the cross-entropy of that token."""
+    return -torch.log(accept.clamp(min=LK_FLOOR))
+
+
+def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (weights * values).sum() / weights.sum()
+
+
+def distribution_terms(
+    log_q: torch.Tensor,
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    rest: torch.Tensor,
+    outside: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The distance between the target's distribution ``p`` and the drafter's ``q`` at each of
+    ``N`` block positions, from the target's stored top-k (:mod:`caddtree.train.targets`).
+
+    ``log_q`` [N, V] is the drafter's log-distribution over the draft vocabulary; ``ids`` [N, k]
+    the draft ids of the target's top k there, ``probs`` [N, k] their probabilities (normalised
+    over the target's whole vocabulary), ``rest`` [N] the target's draft-vocabulary mass outside
+    them and ``outside`` [N] its mass outside the draft vocabulary (where ``q`` is 0).
+
+    Returns per position ``l1``: ``sum_v |p_v - q_v|`` with the ``k`` ids taken one by one and
+    the rest of the draft vocabulary, and everything outside it, each as one lump (``|rest -
+    q_rest| + outside``, ``q_rest`` the drafter's mass outside the ``k`` ids); ``accept``:
+    ``1 - l1 / 2``, the probability that a token sampled from ``q`` is accepted by speculative
+    sampling against ``p`` (``sum_v min(p_v, q_v)``); and ``slack``: ``min(rest, q_rest)``.
+    Lumping can only hide differences, so ``l1`` is at most the true L1 and at least the true
+    L1 minus ``2 * slack``; it is exact when ``k`` covers the draft vocabulary (``rest`` = 0).
+    """
+    q_top = log_q.gather(-1, ids).exp()
+    q_rest = (1 - q_top.sum(-1)).clamp(min=0)
+    l1 = (probs - q_top).abs().sum(-1) + (rest - q_rest).abs() + outside
+    return {"l1": l1, "accept": 1 - l1 / 2, "slack": torch.minimum(rest, q_rest)}
+
+
+def _block_stats(
+    correct: torch.Tensor,
+    in_range: torch.Tensor,
+    rows: torch.Tensor,
+    terms: dict[str, torch.Tensor] | None,
+) -> dict:
+    """A batch's acceptance statistics: ``top1`` (position 1's top-1 accuracy) and ``accept``
+    (the mean leading run of correct predictions of a chain draft, block by block: a token
+    outside the draft vocabulary ends it, as it would when decoding), and ``by_position``:
+    per block position, how many positions are inside the sequence (``count``), how many of
+    them the drafter's argmax matches (``top1``) and, with the target's distributions, the sums
+    of ``accept`` and ``slack`` (:func:`distribution_terms`)."""
+    run = torch.cumprod((correct | ~in_range).float(), dim=-1) * in_range.float()
+    blocks = in_range[..., 0]
+    by_position = {
+        "count": in_range.sum((0, 1)).cpu(),
+        "top1": (correct & in_range).sum((0, 1)).cpu(),
+    }
+    if terms is not None:
+        for name in ("accept", "slack"):
+            full = torch.zeros(in_range.shape, dtype=terms[name].dtype, device=in_range.device)
+            full[rows] = terms[name].detach()
+            by_position[name] = full.sum((0, 1)).cpu()
+    return {
+        "top1": correct[..., 0][blocks].float().mean().item(),
+        "accept": run.sum(-1)[blocks].mean().item(),
+        "by_position": by_position,
+    }
+
+
 class AnchorBlockLoss:
     """The training loss of a drafter over anchor blocks of samples (their cached context features
     in ``features``), through the target's frozen embeddings and ``lm_head`` (its draft-vocabulary
-    rows where the drafter has one)."""
+    rows where the drafter has one); ``targets`` (a
+    :class:`~caddtree.train.targets.TargetDistributions` over the drafter's vocabulary) give the
+    L1 and LK terms and the per-position acceptance."""
 
-    def __init__(self, drafter, target, features, data, config, device):
+    def __init__(self, drafter, target, features, data, config, device, targets=None):
         self.drafter, self.config, self.device = drafter, config, device
+        self.targets = targets  # the target's next-token top-k (TargetDistributions), or None
         self.embed = target.get_input_embeddings()
         self.embed.requires_grad_(False)
         ids = drafter.draft_token_ids
@@ -155,47 +240,89 @@ class AnchorBlockLoss:
         b, M, B = labels.shape[0], labels.shape[1], cfg.block_size
         return hidden.view(b, M, B, -1)[:, :, 1:], labels, in_range
 
+    def _random_anchors(
+        self, sample_ids: Sequence[int], generator: torch.Generator | None
+    ) -> list[torch.Tensor]:
+        """``anchors_per_sample`` random response positions of each sample (sorted), at most as
+        many as it has."""
+        anchors = []
+        for i in sample_ids:
+            P, T = self.data.prompt_lengths[i], self.data.sequences[i].shape[0]
+            candidates = torch.arange(P, T - 1)
+            M = min(self.config.anchors_per_sample, candidates.numel())
+            perm = torch.randperm(candidates.numel(), generator=generator)[:M]
+            anchors.append(candidates[perm].sort().values)
+        return anchors
+
+    def _weights(self, ce: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The position weights of every block position [b, M, B-1] (zero where D-PACE's chain
+        has ended)."""
+        if self.config.loss_weighting == "dpace":
+            return dpace_weights(ce.detach(), valid, self.config.dpace_alpha)
+        return self.position_weights.expand(valid.shape)
+
     def batch_loss(
         self,
         sample_ids: Sequence[int],
         generator: torch.Generator | None,
         anchors: Sequence[torch.Tensor] | None = None,
     ):
-        """Weighted cross-entropy of ``anchors_per_sample`` random blocks of each sample (or the
-        blocks at the given ``anchors``, one sorted tensor per sample), all in one drafter
-        forward; returns the loss and the acceptance statistics of the batch."""
+        """The loss of ``anchors_per_sample`` random blocks of each sample (or the blocks at
+        the given ``anchors``, one sorted tensor per sample), all in one drafter forward:
+        ``ce_weight`` x the weighted cross-entropy of the positions whose label is in the draft
+        vocabulary, plus (with the target's distributions) ``l1_weight`` x the weighted L1 and
+        ``lk_weight`` x the weighted LK term of every position inside the sequence
+        (:func:`distribution_terms`). Returns the loss and the batch's statistics."""
         cfg = self.config
         if anchors is None:
-            anchors = []
-            for i in sample_ids:
-                P, T = self.data.prompt_lengths[i], self.data.sequences[i].shape[0]
-                candidates = torch.arange(P, T - 1)
-                M = min(cfg.anchors_per_sample, candidates.numel())
-                perm = torch.randperm(candidates.numel(), generator=generator)[:M]
-                anchors.append(candidates[perm].sort().values)
+            anchors = self._random_anchors(sample_ids, generator)
         hidden, labels, in_range = self._block_hidden(sample_ids, anchors)
         valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
-        b, M = labels.shape[0], labels.shape[1]
+        # the rows the lm_head scores: those with a label, or with the target's distribution
+        rows = valid if self.targets is None else in_range
         with self._autocast():
-            logits = self.lm_head(hidden[valid].to(self.lm_head.weight.dtype)).float()
-        ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")
-        if cfg.loss_weighting == "dpace":
-            w = dpace_weights(ce.detach(), valid, cfg.dpace_alpha)[valid]
-        else:
-            w = self.position_weights.expand(b, M, -1)[valid]
-        loss = (w * ce).sum() / w.sum()
+            logits = self.lm_head(hidden[rows].to(self.lm_head.weight.dtype)).float()
+        scored = valid[rows]
+        ce = torch.nn.functional.cross_entropy(logits[scored], labels[valid], reduction="none")
+        weights = self._weights(ce, valid)
+        loss = cfg.ce_weight * _weighted_mean(ce, weights[valid])
+        terms = None
+        if self.targets is not None:
+            terms = self._distribution_terms(logits, sample_ids, anchors, rows)
+            loss = loss + self._distribution_loss(terms, weights[rows])
         with torch.no_grad():
             correct = torch.zeros_like(labels, dtype=torch.bool)
-            correct[valid] = logits.argmax(-1) == labels[valid]
-            # acceptance of a chain draft, block by block: the leading run of correct predictions
-            # (a token outside the draft vocabulary ends it, as it would when decoding)
-            run = torch.cumprod((correct | ~in_range).float(), dim=-1) * in_range.float()
-            blocks = in_range[..., 0]
-            stats = {
-                "top1": correct[..., 0][blocks].float().mean().item(),
-                "accept": run.sum(-1)[blocks].mean().item(),
-            }
+            correct[valid] = logits[scored].argmax(-1) == labels[valid]
+            stats = _block_stats(correct, in_range, rows, terms)
+            if terms is not None:
+                stats["ce"] = _weighted_mean(ce, weights[valid]).item()
+                stats["l1"] = _weighted_mean(terms["l1"], weights[rows]).item()
         return loss, stats
+
+    def _distribution_terms(
+        self,
+        logits: torch.Tensor,
+        sample_ids: Sequence[int],
+        anchors: Sequence[torch.Tensor],
+        rows: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """:func:`distribution_terms` of the drafter's ``logits`` at the block positions
+        ``rows`` against the target's stored distributions there."""
+        stored = self.targets.for_blocks(
+            sample_ids, anchors, self.data.prompt_lengths, self.config.block_size
+        )
+        picked = {name: value.to(self.device)[rows] for name, value in stored.items()}
+        return distribution_terms(torch.log_softmax(logits, dim=-1), **picked)
+
+    def _distribution_loss(self, terms: dict[str, torch.Tensor], weights: torch.Tensor):
+        """``l1_weight`` x the weighted L1 plus ``lk_weight`` x the weighted LK term."""
+        cfg = self.config
+        loss = torch.zeros((), device=weights.device)
+        if cfg.l1_weight:
+            loss = loss + cfg.l1_weight * _weighted_mean(terms["l1"], weights)
+        if cfg.lk_weight:
+            loss = loss + cfg.lk_weight * _weighted_mean(lk_term(terms["accept"]), weights)
+        return loss
 
     @torch.no_grad()
     def walks(
@@ -259,32 +386,56 @@ WALK_BUDGET = 16
 
 
 @torch.no_grad()
-def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict[str, float]:
+def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict:
     """Held-out figures: the loss, position 1's top-1 accuracy and the mean chain acceptance of
     random blocks (``eval_loss``, ``eval_top1``, ``eval_accept``), and the tokens per round of
     decoding the first :data:`WALK_SAMPLES` held-out responses (:meth:`AnchorBlockLoss.walks`,
     pooled), which is what decoding measures as tau: with DFlash's chain (``eval_walk_tau``)
-    and with a DDTree of :data:`WALK_BUDGET` nodes (``eval_tree_tau``)."""
+    and with a DDTree of :data:`WALK_BUDGET` nodes (``eval_tree_tau``).
+
+    Per block position ``k = 1 .. B-1`` of the random blocks (lists of ``B-1``): how often the
+    drafter's argmax is the target's greedy token (``eval_top1_by_position``, acceptance at
+    T = 0 given the true prefix) and, with the target's distributions, ``1 - TV(p, q)``
+    (``eval_accept_by_position``, acceptance of a token sampled from the drafter at T = 1),
+    with ``eval_accept_slack``, the most by which those can overstate it from the stored top-k
+    alone (the mean of ``slack``, :func:`distribution_terms`), and the loss's two parts
+    (``eval_ce``, ``eval_l1``)."""
     loss.drafter.eval()
     g = torch.Generator().manual_seed(seed + 17)
-    losses, top1, accept = [], [], []
+    batches = []
     size = loss.config.samples_per_step
     for k in range(0, len(eval_ids), size):
         value, stats = loss.batch_loss(eval_ids[k : k + size], g)
-        losses.append(value.item())
-        top1.append(stats["top1"])
-        accept.append(stats["accept"])
+        batches.append({**stats, "loss": value.item()})
     rounds, tree_rounds = [], []
     for i in eval_ids[:WALK_SAMPLES]:
         chain, tree = loss.walks(i, [None, WALK_BUDGET])
         rounds += chain
         tree_rounds += tree
     loss.drafter.train()
-    n = len(losses)
-    return {
-        "eval_loss": sum(losses) / n,
-        "eval_top1": sum(top1) / n,
-        "eval_accept": sum(accept) / n,
+    n = len(batches)
+    figures = {
+        "eval_loss": sum(b["loss"] for b in batches) / n,
+        "eval_top1": sum(b["top1"] for b in batches) / n,
+        "eval_accept": sum(b["accept"] for b in batches) / n,
         "eval_walk_tau": sum(rounds) / len(rounds),
         "eval_tree_tau": sum(tree_rounds) / len(tree_rounds),
     }
+    return {**figures, **_position_figures(batches)}
+
+
+def _position_figures(batches: Sequence[dict]) -> dict:
+    """The per-position figures of :func:`evaluate` from its batches' statistics."""
+    totals = {
+        name: sum(b["by_position"][name].double() for b in batches)
+        for name in batches[0]["by_position"]
+    }
+    count = totals["count"].clamp(min=1)
+    figures = {"eval_top1_by_position": (totals["top1"] / count).tolist()}
+    if "accept" in totals:
+        figures["eval_accept_by_position"] = (totals["accept"] / count).tolist()
+        positions = totals["count"].sum().clamp(min=1)
+        figures["eval_accept_slack"] = float(totals["slack"].sum() / positions)
+        for name in ("ce", "l1"):
+            figures[f"eval_{name}"] = sum(b[name] for b in batches) / len(batches)
+    return figures

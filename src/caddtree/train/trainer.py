@@ -37,11 +37,13 @@ from ..models.dflash import (
     check_drafter_fits_target,
     default_target_layer_ids,
 )
+from ..util.checks import is_int, is_number
 from ..util.errors import CheckpointError, InvalidInputError
 from ..util.files import atomic_write_text, recover_directory, replace_directory
-from .data import TrainingData, choose_draft_vocab, split_samples
-from .features import cached_features
+from .data import TrainingData, choose_draft_vocab, describe_differences, split_samples
+from .features import cached_pass
 from .loss import AnchorBlockLoss, evaluate
+from .targets import DEFAULT_TOPK, TopKSpec
 
 __all__ = [
     "TrainConfig",
@@ -87,8 +89,24 @@ class TrainConfig:
     # of response tokens (plus the stop tokens); None trains over the target's whole vocabulary.
     draft_vocab_coverage: float | None = None
     precision: str = "float32"  # or "bfloat16": autocast of the forward (weights stay float32)
+    # The loss: ce_weight x cross-entropy + l1_weight x L1 (sum |p - q| = 2 TV between the
+    # target's and the drafter's distributions over the draft vocabulary) + lk_weight x LK
+    # (-log(1 - TV), arXiv 2602.23881), each a position-weighted mean (caddtree.train.loss).
+    # DSpark trains with ce_weight 0.1 and l1_weight 0.9.
+    ce_weight: float = 1.0
+    l1_weight: float = 0.0
+    lk_weight: float = 0.0
+    # How many of the target's most likely draft-vocabulary tokens the feature pass stores per
+    # response position (caddtree.train.targets); None: DEFAULT_TOPK when the L1 or LK term is
+    # used, none otherwise; 0: none. With them the evaluation also reports 1 - TV per position.
+    target_topk: int | None = None
+
+    def topk(self) -> int:
+        """How many of the target's next-token probabilities are stored per position (0: none)."""
+        return effective_topk(asdict(self))
 
     def validate(self) -> None:
+        self._validate_loss()
         checks = {
             "block_size": self.block_size >= 2,
             "num_layers": self.num_layers >= 1,
@@ -112,10 +130,44 @@ class TrainConfig:
         if bad:
             raise InvalidInputError(f"invalid training settings: {', '.join(bad)} ({self})")
 
+    def _validate_loss(self) -> None:
+        """Check the loss's weights and top-k, naming the option and the value."""
+        weights = {"ce_weight": self.ce_weight, "l1_weight": self.l1_weight}
+        weights["lk_weight"] = self.lk_weight
+        for name, value in weights.items():
+            if not (is_number(value) and math.isfinite(value) and value >= 0):
+                raise InvalidInputError(
+                    f"{name} (--{name.replace('_', '-')}) must be a number >= 0, got {value!r}"
+                )
+        if not any(weights.values()):
+            raise InvalidInputError(
+                "the loss has no term: --ce-weight, --l1-weight and --lk-weight are all 0"
+            )
+        k = self.target_topk
+        if k is not None and not (is_int(k) and k >= 0):
+            raise InvalidInputError(
+                f"target_topk (--target-topk) must be an integer >= 0, got {k!r}"
+            )
+        if self.topk() == 0 and (self.l1_weight or self.lk_weight):
+            raise InvalidInputError(
+                "the L1 and LK terms need the target's distribution: --target-topk 0 leaves "
+                "none; give it a k >= 1 or leave it out"
+            )
+
 
 # --------------------------------------------------------------------------------------------------
 # Stage 3: training
 # --------------------------------------------------------------------------------------------------
+
+
+def effective_topk(settings: dict) -> int:
+    """:meth:`TrainConfig.topk` of a config's settings (a checkpoint's, with the defaults of the
+    settings it predates)."""
+    k = settings.get("target_topk")
+    if k is not None:
+        return k
+    distribution = settings.get("l1_weight", 0) > 0 or settings.get("lk_weight", 0) > 0
+    return DEFAULT_TOPK if distribution else 0
 
 
 def _lr_at(step: int, config: TrainConfig) -> float:
@@ -194,9 +246,10 @@ def train_drafter(
 
     Writes ``output_dir/checkpoint`` (the drafter in the released format, plus optimiser and
     trainer state) every ``save_every`` steps and at the end, ``output_dir/features.safetensors``
-    (cached context features) and ``output_dir/train_log.jsonl`` (the learning curve). Returns
-    the last log entry. ``stop_after`` ends this call after that many steps (a later call
-    resumes); an interrupt (Ctrl-C) also saves a checkpoint before it propagates.
+    (cached context features, and the target's next-token top-k when ``config`` asks for it;
+    ``features`` given replace the cached ones) and ``output_dir/train_log.jsonl`` (the learning
+    curve). Returns the last log entry. ``stop_after`` ends this call after that many steps (a
+    later call resumes); an interrupt (Ctrl-C) also saves a checkpoint before it propagates.
     ``stop_token_ids`` always join a draft vocabulary. ``init_from`` starts a new run from the
     weights of a drafter in the released format (for example the one shipped, to train it
     further in a later session on a fresh machine) instead of random weights; its architecture
@@ -222,12 +275,12 @@ def train_drafter(
     check_drafter_fits_target(drafter, target.config)
     drafter.to(device).train()
 
-    if features is None:
-        features = cached_features(
-            target, data, config.target_layer_ids, out / "features.safetensors", progress
-        )
+    targets = None
+    if features is None or config.topk():
+        cached, targets = _features_and_targets(target, data, drafter, config, out, progress)
+        features = cached if features is None else features
     train_ids, eval_ids = split_samples(data, config, out / "split.json")
-    trainer = AnchorBlockLoss(drafter, target, features, data, config, device)
+    trainer = AnchorBlockLoss(drafter, target, features, data, config, device, targets)
     optimizer = torch.optim.AdamW(
         drafter.parameters(),
         lr=config.learning_rate,
@@ -248,6 +301,24 @@ def train_drafter(
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
     loop = _Loop(trainer, optimizer, train_ids, eval_ids, ckpt, log_path)
     return _run_steps(loop, log, start, end, progress)
+
+
+def _features_and_targets(
+    target: Any,
+    data: TrainingData,
+    drafter: DFlashDraftModel,
+    config: TrainConfig,
+    out: Path,
+    progress: bool,
+) -> tuple[list[torch.Tensor], Any]:
+    """The context features and, when ``config`` asks for them, the target's next-token top-k
+    over the drafter's vocabulary, from the run's cache (``features.safetensors``) or computed."""
+    topk = None
+    if config.topk():
+        vocab = int(target.config.get_text_config().vocab_size)
+        topk = TopKSpec.make(config.topk(), drafter.draft_token_ids, vocab)
+    path = out / "features.safetensors"
+    return cached_pass(target, data, config.target_layer_ids, path, progress, topk)
 
 
 def _starting_drafter(
@@ -371,10 +442,12 @@ def _resumed_drafter(ckpt: Path, state: dict, config: TrainConfig) -> DFlashDraf
     # a setting added after the checkpoint was written had its default then
     defaults = asdict(TrainConfig())
     saved = {k: state["config"].get(k, defaults[k]) for k in now}
+    # the top-k stored of the target's distribution, also where it was left to its default
+    now["target_topk"], saved["target_topk"] = config.topk(), effective_topk(state["config"])
     if saved != now:
         raise InvalidInputError(
-            f"{ckpt} was trained with other settings; use another output directory or the "
-            f"same settings (saved: {saved})"
+            f"{ckpt} was trained with other {describe_differences(saved, now)}; use another output "
+            "directory or the same settings"
         )
     return DFlashDraftModel.from_pretrained(ckpt, dtype=torch.float32)
 
@@ -442,6 +515,8 @@ def _train_step(
         "grad_norm": grad_norm,
         "step_s": round(time.perf_counter() - t0, 3),
     }
+    if "l1" in stats:  # the loss has the target's distribution: its parts
+        entry.update(train_ce=stats["ce"], train_l1=stats["l1"])
     if eval_ids and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
         entry.update(evaluate(trainer, eval_ids, config.seed))
     return entry
