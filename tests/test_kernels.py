@@ -29,14 +29,16 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
 
 
-@pytest.mark.parametrize(("n", "k"), [(32, 2), (64, 70), (96, 576), (960, 576), (576, 1536)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(32, 2), (64, 70), (96, 576), (960, 576), (576, 1536), (1, 8), (6453, 64)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_the_kernel_computes_the_linear_layer(n, k, rows, with_bias):
     weight, bias = weights(n, k)
     bias = bias if with_bias else None
     x = torch.randn(rows, k).bfloat16()
-    out = kernels.rows_linear(x, kernels.pack_rows(weight), bias)
+    out = kernels.rows_linear(x, kernels.pack_rows(weight), bias, n)
     assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
     exact = reference(x, weight, bias)
     # float32 accumulation, then one rounding to bfloat16 (relative 2^-8)
@@ -82,12 +84,14 @@ def test_bad_inputs_get_clear_errors():
         kernels.rows_linear(torch.randn(2, 40).bfloat16(), weight)
     with pytest.raises(RuntimeError, match="bias has 3 values, not 64"):
         kernels.rows_linear(torch.randn(2, 40).bfloat16(), packed, torch.ones(3).bfloat16())
+    with pytest.raises(RuntimeError, match="70 outputs do not fit a weight packed for 64"):
+        kernels.rows_linear(torch.randn(2, 40).bfloat16(), packed, None, 70)
 
 
 def test_where_the_kernel_applies():
     assert kernels.pack_rows(torch.randn(64, 40).bfloat16()).shape == (2, 20, 32, 2)
     assert kernels.pack_rows(torch.randn(64, 40)) is None  # float32: oneDNN
-    assert kernels.pack_rows(torch.randn(48, 40).bfloat16()) is None  # 48 rows: not 32k
+    assert kernels.pack_rows(torch.randn(48, 40).bfloat16()).shape == (2, 20, 32, 2)  # padded
     assert kernels.pack_rows(torch.randn(64, 41).bfloat16()) is None  # odd input size
     assert kernels.kernel_in_use(torch.bfloat16) and not kernels.kernel_in_use(torch.float32)
 
@@ -99,13 +103,16 @@ def test_packing_takes_the_kernel_for_bfloat16_and_onednn_otherwise():
     assert pack_weight(weight.float()).dim() == 2  # oneDNN's
     x = torch.randn(5, 40).bfloat16()
     assert torch.equal(packed_linear(x, ours, bias), kernels.rows_linear(x, ours, bias))
-    layer = torch.nn.Linear(40, 64).bfloat16()
-    assert pack_linear_layers(layer) == 1
-    assert layer._caddtree_packed.weight.dim() == 4
-    with torch.no_grad():
-        torch.testing.assert_close(
-            layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), rtol=0, atol=2e-2
-        )
+    assert pack_weight(weight[:40], padded=False).dim() == 2  # not whole groups: oneDNN
+    for size in (64, 45):  # whole row groups, and padded ones
+        layer = torch.nn.Linear(40, size).bfloat16()
+        assert pack_linear_layers(layer) == 1
+        assert layer._caddtree_packed.weight.dim() == 4
+        with torch.no_grad():
+            out = layer(x)
+            expected = F.linear(x, layer.weight, layer.bias)
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2)
 
 
 def test_caddtree_kernels_0_turns_it_off(monkeypatch):

@@ -10,8 +10,8 @@ weight in one sequential stream and starts with no set-up but its parallel loop;
 The kernel is built once per machine (about 10 s with the C++ compiler inductor also uses), cached
 as ``<cache root>/kernels/linear_bf16-<key>.so`` (the key covers the source, the torch build and
 the compiler), loaded with ``torch.ops.load_library`` and checked on a probe against ``F.linear``
-before anything uses it. It applies to bfloat16 weights on the CPU whose output size is a multiple
-of 32 and input size even (:func:`pack_rows`); everything else keeps oneDNN or ``F.linear``.
+before anything uses it. It applies to bfloat16 weights on the CPU whose input size is even
+(:func:`pack_rows`); everything else keeps oneDNN or ``F.linear``.
 ``CADDTREE_KERNELS=0`` turns it off (oneDNN then serves bfloat16 as before).
 
 A row's output is the same bits whatever the number of rows in the call (see the source), so
@@ -40,8 +40,7 @@ __all__ = ["GROUP", "cxx_compiler", "kernel_available", "kernel_in_use", "pack_r
 logger = logging.getLogger(__name__)
 
 GROUP = 32
-"""Output rows per group of the packed layout (``pack_rows``); the output size must be a
-multiple of it."""
+"""Output rows per group of the packed layout (``pack_rows``; the last group is padded)."""
 
 _ARCH_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 _BUILD_TIMEOUT_S = 600
@@ -140,22 +139,25 @@ def _unavailable() -> str | None:
 
 def _register_fake() -> None:
     @torch.library.register_fake("caddtree::linear_bf16")
-    def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], w.shape[0] * GROUP))
+    def _(
+        x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, n: int = -1
+    ) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0] * GROUP if n < 0 else n))
 
 
 def _probe() -> bool:
     """The kernel against ``F.linear`` on a random probe, and a row alone against the same row
     among others (bit for bit)."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(2 * GROUP, 70, generator=generator).bfloat16()
-    bias = torch.randn(2 * GROUP, generator=generator).bfloat16()
+    weight = torch.randn(2 * GROUP - 3, 70, generator=generator).bfloat16()
+    bias = torch.randn(2 * GROUP - 3, generator=generator).bfloat16()
     x = torch.randn(11, 70, generator=generator).bfloat16()
     packed = pack_rows(weight, check=False)
-    out = rows_linear(x, packed, bias)
+    n = weight.shape[0]
+    out = rows_linear(x, packed, bias, n)
     reference = F.linear(x.float(), weight.float(), bias.float())
     close = torch.allclose(out.float(), reference, rtol=1e-2, atol=1e-2)
-    alone = torch.cat([rows_linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
+    alone = torch.cat([rows_linear(x[i : i + 1], packed, bias, n) for i in range(x.shape[0])])
     return bool(close and torch.equal(alone, out))
 
 
@@ -185,21 +187,26 @@ def kernel_in_use(dtype: torch.dtype) -> bool:
 
 
 def pack_rows(weight: torch.Tensor, *, check: bool = True) -> torch.Tensor | None:
-    """``weight`` [N, K] laid out for the kernel, [N/32, K/2, 32, 2] (a copy), or ``None`` where
-    the kernel does not apply: not bfloat16 on the CPU, N not a multiple of 32, K odd, or the
-    kernel unavailable (``check``)."""
+    """``weight`` [N, K] laid out for the kernel, [ceil(N/32), K/2, 32, 2] (a copy, the last
+    group padded with zero rows), or ``None`` where the kernel does not apply: not bfloat16 on
+    the CPU, K odd, or the kernel unavailable (``check``)."""
     if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
-    if n % GROUP or k % 2 or n == 0 or (check and not kernel_available()):
+    if k % 2 or n == 0 or (check and not kernel_available()):
         return None
+    groups = -(-n // GROUP)
     with torch.no_grad():
-        grouped = weight.detach().reshape(n // GROUP, GROUP, k // 2, 2)
+        padded = weight.detach()
+        if groups * GROUP != n:
+            padded = torch.cat((padded, padded.new_zeros(groups * GROUP - n, k)))
+        grouped = padded.reshape(groups, GROUP, k // 2, 2)
         return grouped.permute(0, 2, 1, 3).contiguous()
 
 
 def rows_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, n: int = -1
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the weight's :func:`pack_rows` copy."""
-    return torch.ops.caddtree.linear_bf16(x, packed, bias)
+    """``F.linear(x, weight, bias)`` with the weight's :func:`pack_rows` copy; ``n``: the
+    weight's output size, where it is not a multiple of 32 (-1: the packed rows')."""
+    return torch.ops.caddtree.linear_bf16(x, packed, bias, n)

@@ -40,7 +40,8 @@ class Linear(NamedTuple):
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
-        packed = pack_weight(weight) if pack else None
+        # whole row groups only: the graphs call it without an output size
+        packed = pack_weight(weight, padded=False) if pack else None
         return cls(packed, None if packed is not None else weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import pack_rows, rows_linear
+from .kernels import GROUP, pack_rows, rows_linear
 
 __all__ = [
     "available_memory",
@@ -73,7 +73,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         and weight.dtype is dtype
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        return packed_linear(x, state.weight, self.bias)
+        return packed_linear(x, state.weight, self.bias, self.out_features)
     return F.linear(x, weight, self.bias)
 
 
@@ -135,14 +135,16 @@ def packing_fits(needed: int, what: str, memory_limit: int | None = None) -> boo
     return False
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, *, padded: bool = True) -> torch.Tensor | None:
     """A packed copy of a linear ``weight`` [out, in] for :func:`packed_linear`: laid out for
-    caddtree's own bfloat16 kernel where it applies (:func:`~caddtree.models.kernels.pack_rows`),
-    else for oneDNN; ``None`` where packing does not apply (not on the CPU, another dtype, no
-    working kernel)."""
-    rows = pack_rows(weight)
-    if rows is not None:
-        return rows
+    caddtree's own bfloat16 kernel where it applies (:func:`~caddtree.models.kernels.pack_rows`;
+    with ``padded`` false, only where ``out`` is a whole number of its row groups, so that no call
+    needs to say ``out_features``), else for oneDNN; ``None`` where packing does not apply (not on
+    the CPU, another dtype, no working kernel)."""
+    if padded or weight.shape[0] % GROUP == 0:
+        rows = pack_rows(weight)
+        if rows is not None:
+            return rows
     if not _kernel_packs(weight):
         return None
     with torch.no_grad():
@@ -150,12 +152,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, out_features: int = -1
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the weight's :func:`pack_weight` copy (which kernel
-    runs follows from its layout: caddtree's is four-dimensional, oneDNN's two)."""
+    runs follows from its layout: caddtree's is four-dimensional, oneDNN's two);
+    ``out_features``, the weight's output size, is needed where caddtree's layout padded it."""
     if packed.dim() == 4:
-        return rows_linear(x, packed, bias)
+        return rows_linear(x, packed, bias, out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

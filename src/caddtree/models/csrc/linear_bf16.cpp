@@ -5,8 +5,9 @@
 // 10 us, 120 calls a forward on the built-in target) is a large share of a forward. This kernel
 // reads each weight once, in one sequential stream, with no per-call set-up beyond a parallel loop.
 //
-// Layout (made once by caddtree.models.kernels.pack_rows): the output rows come in groups of 32,
-// each group stored as [K/2][32][2]: for every pair of input columns, the pair of weights of each
+// Layout (made once by caddtree.models.kernels.pack_rows): the output rows come in groups of 32
+// (the last one padded with zero rows; n says how many outputs are real), each group stored as
+// [K/2][32][2]: for every pair of input columns, the pair of weights of each
 // of the 32 rows. One 512-bit load then holds a column pair of 16 rows, and vdpbf16ps multiplies
 // it by the broadcast column pair of an input row, accumulating one output per float32 lane: no
 // horizontal sums. Input rows are taken 8, 4, 2 or 1 at a time, reusing each weight load.
@@ -31,7 +32,7 @@ constexpr int64_t kPrefetch = 16; // column pairs ahead to prefetch
 
 struct Problem {
   const uint16_t* x;  // [M, K] bf16 bits
-  const uint16_t* w;  // [N / 32, K / 2, 32, 2] bf16 bits
+  const uint16_t* w;  // [groups, K / 2, 32, 2] bf16 bits (rows past N are padding)
   const float* bias;  // [N] or null
   c10::BFloat16* y;   // [M, N]
   int64_t K, N;
@@ -62,7 +63,8 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
     _mm512_store_ps(out, acc[i][0]);
     _mm512_store_ps(out + 16, acc[i][1]);
     c10::BFloat16* yr = p.y + (m0 + i) * p.N + o0;
-    for (int64_t r = 0; r < kGroup; ++r) {
+    const int64_t valid = p.N - o0 < kGroup ? p.N - o0 : kGroup;
+    for (int64_t r = 0; r < valid; ++r) {
       yr[r] = c10::BFloat16(p.bias ? out[r] + p.bias[o0 + r] : out[r]);
     }
   }
@@ -80,13 +82,15 @@ inline void group(const Problem& p, int64_t g, int64_t M) {
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "linear_bf16: bfloat16 input and weight expected");
   TORCH_CHECK(w.dim() == 4 && w.size(2) == kGroup && w.size(3) == 2 && w.is_contiguous(),
               "linear_bf16: the weight must be packed by caddtree.models.kernels.pack_rows");
-  const int64_t K = w.size(1) * 2, N = w.size(0) * kGroup;
+  const int64_t K = w.size(1) * 2, N = n < 0 ? w.size(0) * kGroup : n;
+  TORCH_CHECK(N <= w.size(0) * kGroup && N > (w.size(0) - 1) * kGroup,
+              "linear_bf16: ", N, " outputs do not fit a weight packed for ", w.size(0) * kGroup);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_bf16: input has ", x.size(-1),
               " features, the weight takes ", K);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
@@ -112,7 +116,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
 }  // namespace
 
 TORCH_LIBRARY(caddtree, m) {
-  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None, int n=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(caddtree, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
