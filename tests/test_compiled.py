@@ -11,6 +11,7 @@ on-disk cache.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -175,3 +176,19 @@ def test_it_is_refused_where_it_cannot_run_and_auto_falls_back(model, monkeypatc
     assert torch.isfinite(fallen.prefill([1, 2, 3])[0]).all()  # the eager runtime runs
     with pytest.raises(RuntimeError, match="no compiler today"):
         LeanVerifier(bf16, (), compile="on")
+
+
+def test_inductor_caches_go_to_caddtree_unless_the_user_chose(monkeypatch, tmp_path):
+    """torch sets ``$TORCHINDUCTOR_CACHE_DIR`` to its own default (a temporary directory) when it
+    is imported; that counts as unset, a directory the user chose is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from caddtree.models.compiled import _choose_inductor_cache
+
+    monkeypatch.setenv("CADDTREE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    _choose_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    _choose_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

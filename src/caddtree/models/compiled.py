@@ -33,7 +33,8 @@ into the graph (inductor's ``freezing``), so that inductor's on-disk caches (FX 
 AOTAutograd) keep the compiled code between processes: the first run on a machine compiles, for
 about a minute on two cores, and later runs load the code in seconds. Inductor lowers oneDNN's
 packed linear only for frozen weights; :func:`_lower_unfrozen_packed_linear` makes it call the
-same kernel for weights given as inputs. The cache is ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
+same kernel for weights given as inputs. The cache is ``$TORCHINDUCTOR_CACHE_DIR`` when set to
+other than torch's default, else
 ``<caddtree cache>/inductor`` (:func:`caddtree.util.defaults.cache_root`).
 
 **Where it runs.** ``runtime="auto"`` picks it on the CPU for bfloat16 targets whose linear
@@ -202,6 +203,16 @@ def _layers(
 _ARGUMENTS = tuple(inspect.signature(_layers).parameters)
 
 
+def _choose_inductor_cache() -> None:
+    """Point inductor's caches at ``<caddtree cache>/inductor`` unless the user chose a directory:
+    torch fills ``$TORCHINDUCTOR_CACHE_DIR`` in with its default (a temporary directory, gone at
+    the next boot) as soon as it is imported, so that default counts as not chosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+
+
 def _compiled_code(args: tuple[Any, ...]) -> tuple[Callable[..., Any], Any] | None:
     """The code dynamo compiled for :func:`_layers` whose guards pass for ``args``, as a function,
     and those guards; ``None`` where this torch does not expose them or no graph's guards pass
@@ -231,7 +242,7 @@ class CompiledLayers:
     (:meth:`~caddtree.models.lean.LeanTarget.compile`)."""
 
     def __init__(self, target: Any) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        _choose_inductor_cache()
         if target.device.type == "cpu":
             _lower_unfrozen_packed_linear()
         self.target = target
