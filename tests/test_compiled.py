@@ -125,13 +125,19 @@ def test_a_remembered_graph_runs_only_while_its_guards_pass(model, compiled):
 
     passing = _Guards(True)
     layers._known["row"] = (remembered, passing)
+    layers._checked.clear()
     shortcut, _ = compiled.verify(4, DraftTree.empty())
     assert ran == [1] and passing.checked == 1
     compiled.discard()
+    again, _ = compiled.verify(4, DraftTree.empty())  # the same cache: no second check
+    assert ran == [1, 1] and passing.checked == 1
+    torch.testing.assert_close(again, shortcut, rtol=0, atol=0)
+    compiled.discard()
     failing = _Guards(False)
     layers._known["row"] = (remembered, failing)
+    layers._checked.clear()
     framed, _ = compiled.verify(4, DraftTree.empty())
-    assert ran == [1] and failing.checked == 1  # not run: torch.compile ran the call
+    assert ran == [1, 1] and failing.checked == 1  # not run: torch.compile ran the call
     assert layers._known["row"][1] is not failing  # and the real guards are remembered again
     torch.testing.assert_close(shortcut, framed, rtol=0, atol=0)
     compiled.commit([])
@@ -139,6 +145,31 @@ def test_a_remembered_graph_runs_only_while_its_guards_pass(model, compiled):
     plain, _ = compiled.verify(5, DraftTree.empty())
     assert layers._known["row"] is None and torch.isfinite(plain).all()
     compiled.commit([])
+
+
+def test_guards_are_checked_again_once_the_cache_is_replaced(model, compiled):
+    """A call checks the graph's guards only after the cache tensors changed (a new or grown
+    cache), and then once."""
+    compiled.reset(reserve=64)
+    compiled.prefill(prompt(4, 10))
+    layers = compiled.target.compiled
+    layers._known.pop("row", None)  # learnt afresh by the next call
+    compiled.verify(3, DraftTree.empty())
+    compiled.commit([])
+    code, guards = layers._known["row"]
+    counting = _Guards(True)
+    layers._known["row"] = (code, counting)
+    for _ in range(3):
+        compiled.verify(3, DraftTree.empty())
+        compiled.commit([])
+    assert counting.checked == 0  # checked already under this cache
+    compiled.reset()  # the cache let go: the prefill makes a new one
+    compiled.prefill(prompt(5, 10))
+    for _ in range(3):
+        compiled.verify(3, DraftTree.empty())
+        compiled.commit([])
+    assert counting.checked == 1
+    layers._known["row"] = (code, guards)
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree", "caddtree"])

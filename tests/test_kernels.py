@@ -131,7 +131,7 @@ def test_caddtree_kernels_0_turns_it_off(monkeypatch):
 def test_the_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CADDTREE_CACHE", str(tmp_path))
     built = kernels._library(kernels.cxx_compiler())
-    assert built.parent == tmp_path / "kernels" and built.is_file()
+    assert built.parent.parent == tmp_path / "kernels" and built.is_file()
     stamp = built.stat().st_mtime_ns
     assert kernels._library(kernels.cxx_compiler()) == built
     assert built.stat().st_mtime_ns == stamp  # found, not built again
@@ -158,3 +158,102 @@ def test_the_lean_runtime_runs_its_layers_on_the_kernel():
         exact = model.double()(ids[None]).logits[0, -1]
     # as close to the float64 logits as transformers' own bfloat16 forward
     assert (ours - exact).abs().max() <= 1.5 * (theirs - exact).abs().max() + 1e-3
+
+
+def attention_case(n: int, length: int, heads: int, kv: int, dim: int, seed: int = 0):
+    """Random rows, a cache of ``length + 5`` entries (strided views, as a cache slot is) and a
+    tree-like mask: every context entry, then each row's random ancestors and itself."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, heads, dim, generator=generator).bfloat16()
+    cache = torch.randn(2, 2, kv, length + 5, dim, generator=generator).bfloat16()
+    keys, values = cache[0, 1], cache[1, 0]
+    mask = torch.ones(n, length, dtype=torch.bool)
+    context = length - n
+    for i in range(n):
+        mask[i, context : context + i] = torch.rand(i, generator=generator) < 0.5
+    return q, keys, values, mask
+
+
+def attention_reference(q, keys, values, mask, scale):
+    """Masked softmax attention of the same bfloat16 numbers, in float64: [n, H*D]."""
+    n, heads, dim = q.shape
+    groups = heads // keys.shape[0]
+    length = mask.shape[-1]
+    k = keys[:, :length].double().repeat_interleave(groups, 0)  # [H, L, D]
+    v = values[:, :length].double().repeat_interleave(groups, 0)
+    scores = torch.einsum("nhd,hld->hnl", q.double(), k) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hnl,hld->nhd", scores.softmax(-1), v).reshape(n, heads * dim)
+
+
+@pytest.mark.parametrize(("heads", "kv", "dim"), [(9, 3, 64), (16, 8, 128), (8, 2, 80), (2, 1, 16)])
+@pytest.mark.parametrize(("n", "context"), [(1, 0), (1, 300), (5, 17), (16, 300), (33, 40)])
+def test_the_attention_kernel_computes_masked_attention(heads, kv, dim, n, context):
+    q, keys, values, mask = attention_case(n, context + n, heads, kv, dim)
+    scale = dim**-0.5
+    out = kernels.tree_attention(q, keys, values, mask, scale)
+    assert out.shape == (n, heads * dim) and out.dtype is torch.bfloat16
+    exact = attention_reference(q, keys, values, mask, scale)
+    # within one rounding to bfloat16 of the exact result
+    assert ((out.double() - exact).abs() / exact.abs().clamp(min=2**-8)).max() <= 2**-8
+    alone = [
+        kernels.tree_attention(q[i : i + 1], keys, values, mask[i : i + 1], scale) for i in range(n)
+    ]
+    assert torch.equal(torch.cat(alone), out)  # a row's bits do not depend on the others
+
+
+def test_the_attention_kernel_takes_views_of_masks_and_refuses_bad_input():
+    q, keys, values, mask = attention_case(4, 20, 4, 2, 32)
+    out = kernels.tree_attention(q, keys, values, mask, 0.2)
+    assert torch.equal(kernels.tree_attention(q, keys, values, mask[None, None], 0.2), out)
+    wide = torch.ones(4, 30, dtype=torch.bool)
+    wide[:, :20] = mask
+    assert torch.equal(kernels.tree_attention(q, keys, values, wide[:, :20], 0.2), out)
+    with pytest.raises(RuntimeError, match="a bool mask expected"):
+        kernels.tree_attention(q, keys, values, mask.float(), 0.2)
+    with pytest.raises(RuntimeError, match="mask covers 26 entries, the cache holds 25"):
+        kernels.tree_attention(q, keys, values, torch.ones(4, 26, dtype=torch.bool), 0.2)
+    with pytest.raises(RuntimeError, match="3 query heads are not a multiple of 2"):
+        kernels.tree_attention(q[:, :3], keys, values, mask, 0.2)
+    with pytest.raises(RuntimeError, match="bfloat16 q, keys and values expected"):
+        kernels.tree_attention(q.float(), keys, values, mask, 0.2)
+    assert kernels.attention_fits(64, 9, 3) and not kernels.attention_fits(72, 9, 3)
+
+
+def test_the_lean_runtime_attends_with_the_kernel_as_with_sdpa():
+    """One sequence's tree and a batch of three sequences (trees, lone rows, different contexts)
+    on the tiny Qwen3 target in bfloat16: with caddtree's attention kernel the logits and
+    features are as close to the float64 forward's as with SDPA."""
+    import numpy as np
+
+    from caddtree.models.lean import LeanTarget, Rows
+    from tiny_models import qwen3_target
+
+    visibility = np.tril(np.ones((4, 4), dtype=bool))
+    visibility[3, 1:3] = False
+
+    def run(dtype, fused):
+        target = LeanTarget(qwen3_target("sdpa").to(dtype), (1,))
+        assert target.fused_attention == (dtype is torch.bfloat16)
+        target.fused_attention = fused
+        target.reserve(3, 64)
+        for slot, length in enumerate((9, 14, 5)):
+            ids = torch.arange(length) % 50 + slot
+            target.forward(Rows.single(ids, torch.arange(length), 0, None, slot=slot))
+        tree = target.forward(
+            Rows.single(torch.tensor([3, 4, 5, 6]), torch.arange(9, 13), 9, visibility)
+        )
+        sequences = [
+            (0, 13, [7], [13], None),
+            (1, 14, [8, 9, 10], [14, 15, 15], visibility[:3, :3]),
+            (2, 5, [11], [5], None),
+        ]
+        batch = target.forward(Rows.batch(sequences, "cpu"))
+        return [t.double() for t in (*tree, *batch)]
+
+    exact = run(torch.float64, False)
+    for ours, theirs, reference in zip(
+        run(torch.bfloat16, True), run(torch.bfloat16, False), exact
+    ):
+        ours_error = (ours - reference).abs().max()
+        assert ours_error <= 1.5 * (theirs - reference).abs().max() + 1e-2

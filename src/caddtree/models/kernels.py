@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from ..util.defaults import cache_root
 from ..util.files import atomic_write
 
-__all__ = ["GROUP", "cxx_compiler", "kernel_available", "kernel_in_use", "pack_rows", "rows_linear"]
+__all__ = [
+    "GROUP",
+    "attention_fits",
+    "cxx_compiler",
+    "kernel_available",
+    "kernel_in_use",
+    "pack_rows",
+    "rows_linear",
+    "tree_attention",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +55,12 @@ _ARCH_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 _BUILD_TIMEOUT_S = 600
 
 
-def _source() -> bytes:
-    return resources.files("caddtree.models").joinpath("csrc/linear_bf16.cpp").read_bytes()
+_SOURCES = ("ops.cpp", "linear_bf16.cpp", "attention_bf16.cpp")
+
+
+def _sources() -> dict[str, bytes]:
+    folder = resources.files("caddtree.models").joinpath("csrc")
+    return {name: folder.joinpath(name).read_bytes() for name in _SOURCES}
 
 
 def cxx_compiler() -> str | None:
@@ -64,7 +77,7 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
-def _command(cxx: str, source: Path, output: str) -> list[str]:
+def _command(cxx: str, sources: list[Path], output: str) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -79,7 +92,7 @@ def _command(cxx: str, source: Path, output: str) -> list[str]:
         *_ARCH_FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in include_paths()),
-        str(source),
+        *map(str, sources),
         *(f"-L{path}" for path in libs),
         *(f"-Wl,-rpath,{path}" for path in libs),
         "-lc10",
@@ -91,19 +104,14 @@ def _command(cxx: str, source: Path, output: str) -> list[str]:
 
 
 def _library(cxx: str) -> Path:
-    """Where the kernel built for this source, torch and compiler lives (built now if missing)."""
-    source = _source()
+    """Where the kernels built from these sources, torch and compiler live (built now if
+    missing)."""
+    sources = _sources()
+    parts = (*sources.values(), torch.__version__, _compiler_version(cxx), *_ARCH_FLAGS)
     key = hashlib.sha256(
-        b"\0".join(
-            (
-                source,
-                torch.__version__.encode(),
-                _compiler_version(cxx).encode(),
-                *map(str.encode, _ARCH_FLAGS),
-            )
-        )
+        b"\0".join(part if isinstance(part, bytes) else part.encode() for part in parts)
     ).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"linear_bf16-{key}.so"
+    path = cache_root() / "kernels" / key / "caddtree_kernels.so"
     if path.is_file():
         return path
     from filelock import FileLock
@@ -111,16 +119,19 @@ def _library(cxx: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path.parent / ".build.lock")):
         if not path.is_file():
-            logger.info("building caddtree's bfloat16 linear kernel for this CPU (once; ~10 s)")
-            source_path = path.with_suffix(".cpp")
-            atomic_write(source_path, lambda tmp: Path(tmp).write_bytes(source))
-            atomic_write(path, lambda tmp: _compile(cxx, source_path, tmp))
+            logger.info("building caddtree's bfloat16 kernels for this CPU (once; ~20 s)")
+            files = []
+            for name, text in sources.items():
+                files.append(
+                    atomic_write(path.parent / name, lambda tmp, t=text: Path(tmp).write_bytes(t))
+                )
+            atomic_write(path, lambda tmp: _compile(cxx, files, tmp))
     return path
 
 
-def _compile(cxx: str, source: Path, output: str) -> None:
+def _compile(cxx: str, sources: list[Path], output: str) -> None:
     done = subprocess.run(
-        _command(cxx, source, output), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+        _command(cxx, sources, output), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
     )
     if done.returncode != 0:
         raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -137,12 +148,18 @@ def _unavailable() -> str | None:
     return None
 
 
-def _register_fake() -> None:
+def _register_fakes() -> None:
     @torch.library.register_fake("caddtree::linear_bf16")
     def _(
         x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, n: int = -1
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0] * GROUP if n < 0 else n))
+
+    @torch.library.register_fake("caddtree::tree_attention")
+    def _(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def _probe() -> bool:
@@ -161,6 +178,29 @@ def _probe() -> bool:
     return bool(close and torch.equal(alone, out))
 
 
+def _probe_attention() -> bool:
+    """The attention kernel against SDPA in float32 on a random tree-like probe, and a row alone
+    against the same row among others (bit for bit)."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 32, generator=generator).bfloat16()
+    keys, values = (torch.randn(2, 40, 32, generator=generator).bfloat16() for _ in range(2))
+    mask = torch.rand(5, 37, generator=generator) < 0.7
+    mask[:, 0] = True
+    out = tree_attention(q, keys, values, mask, 0.125)
+    reference = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        keys[:, :37].float().repeat_interleave(2, 0),
+        values[:, :37].float().repeat_interleave(2, 0),
+        attn_mask=mask,
+        scale=0.125,
+    ).transpose(0, 1)
+    close = torch.allclose(out.float(), reference.reshape(5, -1), rtol=1e-2, atol=1e-2)
+    alone = torch.cat(
+        [tree_attention(q[i : i + 1], keys, values, mask[i : i + 1], 0.125) for i in range(5)]
+    )
+    return bool(close and torch.equal(alone, out))
+
+
 @functools.cache
 def kernel_available() -> bool:
     """Whether the kernel is built, loaded and passed its probe in this process (built on first
@@ -172,8 +212,8 @@ def kernel_available() -> bool:
     try:
         if not hasattr(torch.ops.caddtree, "linear_bf16"):
             torch.ops.load_library(str(_library(cxx_compiler())))
-            _register_fake()
-        if _probe():
+            _register_fakes()
+        if _probe() and _probe_attention():
             return True
         logger.warning("caddtree's bfloat16 linear kernel failed its probe; oneDNN is used")
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -202,6 +242,21 @@ def pack_rows(weight: torch.Tensor, *, check: bool = True) -> torch.Tensor | Non
             padded = torch.cat((padded, padded.new_zeros(groups * GROUP - n, k)))
         grouped = padded.reshape(groups, GROUP, k // 2, 2)
         return grouped.permute(0, 2, 1, 3).contiguous()
+
+
+def attention_fits(head_dim: int, heads: int, kv_heads: int) -> bool:
+    """Whether :func:`tree_attention` serves a model of this attention shape."""
+    return head_dim % 16 == 0 and 16 <= head_dim <= 256 and heads % kv_heads == 0
+
+
+def tree_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of rows ``q`` [n, H, D] over the first ``L = mask.shape[-1]`` entries of
+    ``keys``/``values`` [kv, S, D] (views into a cache; query head ``h`` reads key/value head
+    ``h // (H / kv)``), each row over the entries its ``mask`` row [.., n, L] allows; returns
+    [n, H*D]. bfloat16, on the CPU; a row's result is the same bits alone or among others."""
+    return torch.ops.caddtree.tree_attention(q, keys, values, mask, scale)
 
 
 def rows_linear(

@@ -48,6 +48,7 @@ from torch import nn
 
 from ..core.tree import DraftTree
 from ..util.errors import InvalidInputError
+from .kernels import attention_fits, kernel_in_use, tree_attention
 from .layers import LayerWeights, Shape, decoder_layer, fused_linear, packed_layers_fit, rms_norm
 from .target import TreeVerifier
 
@@ -123,6 +124,22 @@ class Rows:
     padded_index: torch.Tensor | None = None  # row -> b * n_max + j, for several sequences
 
     _grouped: torch.Tensor | None = field(default=None, repr=False)
+    _per_sequence: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    def sequence_masks(self) -> list[torch.Tensor]:
+        """Per sequence, its rows' mask over its own ``start + count`` entries [count, L_s]
+        (views of :attr:`mask`, or all True where there is none), made once per call."""
+        if self._per_sequence is None:
+            spans = list(zip(self.starts, self.counts))
+            if self.mask is None:
+                every = torch.ones((1, self.length), dtype=torch.bool, device=self.tokens.device)
+                self._per_sequence = [every[:count, : start + count] for start, count in spans]
+            else:
+                self._per_sequence = [
+                    self.mask[b, 0, :count, : start + count]
+                    for b, (start, count) in enumerate(spans)
+                ]
+        return self._per_sequence
 
     def grouped_mask(self, groups: int) -> torch.Tensor | None:
         """The mask for ``groups`` query heads stacked per key/value head (row ``g * n_max + i``
@@ -255,6 +272,12 @@ class LeanTarget:
         embeddings = model.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
         self.pack = bool(pack) and packed_layers_fit(model)
+        # caddtree's attention kernel (bfloat16 on CPUs with AVX512-BF16), for all but prompts
+        self.fused_attention = (
+            self.device.type == "cpu"
+            and kernel_in_use(self.dtype)
+            and attention_fits(self.head_dim, self.heads, self.kv_heads)
+        )
         self.layers = [self._layer(layer) for layer in model.model.layers]
         self.shape = Shape(self.heads, self.kv_heads, self.head_dim, self.eps)
         self.slots, self.capacity = 0, 0
@@ -473,7 +496,10 @@ class LeanTarget:
         per key/value head serves them: no copied keys, no mask at all for one row per sequence,
         and less time than SDPA's own ``enable_gqa`` for small trees on the CPU
         (``benchmarks/attention_gqa.py``; the same numbers). A causal prompt keeps SDPA's own
-        causal mask."""
+        causal mask. Where the target uses caddtree's attention kernel, every call but a prompt
+        goes to it instead (:meth:`_attend_fused`)."""
+        if self.fused_attention and not rows.causal:
+            return self._attend_fused(index, q, rows)
         n_seq, n_max, length = len(rows.slots), rows.n_max, rows.length
         keys, values = self._cached(index, rows.slots, length)
         groups, dim = self.heads // self.kv_heads, self.head_dim
@@ -494,6 +520,18 @@ class LeanTarget:
             ).view(n_seq, self.heads, n_max, dim)
         out = out.transpose(1, 2).reshape(n_seq * n_max, self.heads * dim)
         return out if n_seq == 1 else out[rows.padded_index]
+
+    def _attend_fused(self, index: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """:meth:`_attend` by caddtree's attention kernel
+        (:func:`~caddtree.models.kernels.tree_attention`): one call per sequence, each reading its
+        own slot's keys and values in place, under its rows' part of the mask."""
+        keys, values = self.keys[index], self.values[index]
+        out, first = [], 0
+        for slot, count, mask in zip(rows.slots, rows.counts, rows.sequence_masks()):
+            part = q[first : first + count]
+            out.append(tree_attention(part, keys[slot], values[slot], mask, self.scale))
+            first += count
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _cached(
         self, index: int, slots: list[int], length: int

@@ -115,8 +115,4 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
-TORCH_LIBRARY(caddtree, m) {
-  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None, int n=-1) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(caddtree, CPU, m) { m.impl("linear_bf16", &linear_bf16); }

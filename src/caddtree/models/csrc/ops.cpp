@@ -1,0 +1,9 @@
+// The schemas of caddtree's CPU kernels (one library, built from every file here by
+// caddtree.models.kernels); each kernel's file registers its implementation.
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(caddtree, m) {
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None, int n=-1) -> Tensor");
+  m.def("tree_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
+}
