@@ -356,13 +356,16 @@ class SpeculativeGenerator:
             # and with and without weights packed for oneDNN, and between runtimes
             "packed_layers": self.packed_layers,
             "runtime": self.runtime,
-            # and between caddtree's bfloat16 linear kernel and oneDNN's (caddtree.models.kernels)
+            # and between caddtree's bfloat16 kernels and torch's (caddtree.models.kernels)
             "linear_kernel": self.packed_layers > 0 and kernel_in_use(self.verifier.dtype),
+            "attention_kernel": self.runtime != "transformers"
+            and self.verifier.target.fused_attention,
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
-            # 2: the grid measured in interleaved passes, in decoding's reserved cache; a model
-            # cached by the earlier point-by-point profile is measured again once
-            "profiling": 2,
+            # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the
+            # compiled runtime checks its guards only when the cache changes (cheaper calls). A
+            # model cached by an earlier profile is measured again once
+            "profiling": 3,
         }
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         path = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"
