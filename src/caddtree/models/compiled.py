@@ -10,11 +10,14 @@ custom op inductor calls as it is, or oneDNN's) and the same attention kernel as
 runtime.
 
 Two graphs serve every call of one sequence (cache slot 0 of a one-slot cache) after the prompt:
-
-* **one row** (plain decoding, and trees of the root alone): attention without a mask, written
-  as products and sums that inductor fuses (:func:`_attend_one_row`), since for one query the
-  flash kernel's fixed cost per call is most of its time;
-* **a tree of n >= 2 rows**: the flash kernel under the tree's boolean mask.
+**one row** (plain decoding, and trees of the root alone) and **a tree of n >= 2 rows**. Where the
+target uses caddtree's attention kernel (bfloat16 on CPUs with AVX512-BF16,
+:func:`~caddtree.models.kernels.tree_attention`), both attend with it; elsewhere one row attends
+without a mask, as products and sums that inductor fuses (:func:`_attend_one_row`, since for one
+query the flash kernel's fixed cost per call is most of its time), and a tree with the flash
+kernel under its boolean mask. Inductor rounds to the dtype between fused operations as eager
+code does (``emulate_precision_casts``): with caddtree's kernels a row then gets the same bits in
+either graph, so plain decoding and tree verification agree exactly in bfloat16 too.
 
 Both are compiled once for every context length, cache capacity and (the tree graph) row count:
 those sizes are dynamic in the graphs, so a generation never waits for a recompile. A prompt (a
@@ -25,8 +28,8 @@ is traced as it is, only its cache step (:func:`_attend`) is written for static 
 **Calls skip the frame evaluation.** ``torch.compile`` checks, before every call, the guards of
 every graph it compiled for the function, over hundreds of weight tensors and a cache per layer.
 A call here goes straight to the code dynamo compiled for the graph it expects once dynamo's own
-guards for that graph pass (:meth:`CompiledLayers._run`); any other call goes through
-``torch.compile`` as usual.
+guards for that graph pass (:meth:`CompiledLayers._run`), and checks those guards again only when
+the cache tensors were replaced; any other call goes through ``torch.compile`` as usual.
 
 **Weights stay inputs.** The graphs take the packed weights as inputs instead of freezing them
 into the graph (inductor's ``freezing``), so that inductor's on-disk caches (FX graph and

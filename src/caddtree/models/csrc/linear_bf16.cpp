@@ -10,7 +10,7 @@
 // [K/2][32][2]: for every pair of input columns, the pair of weights of each
 // of the 32 rows. One 512-bit load then holds a column pair of 16 rows, and vdpbf16ps multiplies
 // it by the broadcast column pair of an input row, accumulating one output per float32 lane: no
-// horizontal sums. Input rows are taken 8, 4, 2 or 1 at a time, reusing each weight load.
+// horizontal sums. Input rows are taken up to 12 at a time, reusing each weight load.
 //
 // Every output accumulates its column pairs in order in one float32 lane, whatever the number of
 // rows and however they are blocked or split across threads: a row's result is the same bits
@@ -23,7 +23,10 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 
 namespace {
 
@@ -70,15 +73,26 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
   }
 }
 
-// Every input row against one weight group.
+using GroupRows = void (*)(const Problem&, const uint16_t*, int64_t, int64_t);
+template <int... I>
+constexpr std::array<GroupRows, sizeof...(I)> group_rows_table(std::integer_sequence<int, I...>) {
+  return {&group_rows<I + 1>...};
+}
+constexpr int kMaxRows = 12;  // input rows per pass over a group: 24 accumulators
+constexpr auto kGroupRows = group_rows_table(std::make_integer_sequence<int, kMaxRows>{});
+
+// Every input row against one weight group, in as few passes as 12 rows a pass allow, of
+// balanced sizes (a pass of one or two rows over a group already in cache is bound by the
+// latency of its few accumulator chains, so a small remainder pass would cost a full one).
 inline void group(const Problem& p, int64_t g, int64_t M) {
   const uint16_t* wg = p.w + g * p.K * kGroup;
   const int64_t o0 = g * kGroup;
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) group_rows<8>(p, wg, m, o0);
-  for (; m + 4 <= M; m += 4) group_rows<4>(p, wg, m, o0);
-  for (; m + 2 <= M; m += 2) group_rows<2>(p, wg, m, o0);
-  for (; m < M; ++m) group_rows<1>(p, wg, m, o0);
+  const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
+  for (int64_t i = 0, m = 0; i < passes; ++i) {
+    const int64_t rows = (M - m) / (passes - i) + ((M - m) % (passes - i) != 0);
+    kGroupRows[rows - 1](p, wg, m, o0);
+    m += rows;
+  }
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
