@@ -338,7 +338,7 @@ class SpeculativeGenerator:
         import json
         from pathlib import Path
 
-        from .models.kernels import kernel_in_use
+        from .models.kernels import kernel_in_use, source_digest
         from .util.defaults import cache_root
 
         ident = {
@@ -360,6 +360,7 @@ class SpeculativeGenerator:
             "linear_kernel": self.packed_layers > 0 and kernel_in_use(self.verifier.dtype),
             "attention_kernel": self.runtime != "transformers"
             and self.verifier.target.fused_attention,
+            "kernel_sources": source_digest() if kernel_in_use(self.verifier.dtype) else None,
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
             # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the

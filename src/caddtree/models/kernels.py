@@ -43,6 +43,7 @@ __all__ = [
     "kernel_in_use",
     "pack_rows",
     "rows_linear",
+    "source_digest",
     "tree_attention",
 ]
 
@@ -103,14 +104,18 @@ def _command(cxx: str, sources: list[Path], output: str) -> list[str]:
     ]
 
 
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' sources (what their speed and numbers follow from)."""
+    return hashlib.sha256(b"\0".join(_sources().values())).hexdigest()[:16]
+
+
 def _library(cxx: str) -> Path:
     """Where the kernels built from these sources, torch and compiler live (built now if
     missing)."""
     sources = _sources()
-    parts = (*sources.values(), torch.__version__, _compiler_version(cxx), *_ARCH_FLAGS)
-    key = hashlib.sha256(
-        b"\0".join(part if isinstance(part, bytes) else part.encode() for part in parts)
-    ).hexdigest()[:16]
+    parts = (source_digest(), torch.__version__, _compiler_version(cxx), *_ARCH_FLAGS)
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / key / "caddtree_kernels.so"
     if path.is_file():
         return path
