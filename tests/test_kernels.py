@@ -257,3 +257,34 @@ def test_the_lean_runtime_attends_with_the_kernel_as_with_sdpa():
     ):
         ours_error = (ours - reference).abs().max()
         assert ours_error <= 1.5 * (theirs - reference).abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("context", [0, 7, 300])
+def test_a_tree_row_attends_as_the_same_token_does_after_its_ancestors(context):
+    """A tree row sees the context and its ancestors, with other branches' entries between them;
+    plain decoding sees the same entries side by side. The kernel gives both the same bits (it
+    sums the probabilities by rank among the allowed entries), so a token accepted from a tree
+    has the keys, values and logits plain decoding would have given it. (Summed by place in the
+    cache, an output rounds otherwise about once in 10^5: hence many trees.)"""
+    n, heads, kv, dim = 16, 9, 3, 64
+    for seed in range(40):
+        generator = torch.Generator().manual_seed(seed)
+        q = torch.randn(n, heads, dim, generator=generator).bfloat16()
+        keys = torch.randn(kv, context + n, dim, generator=generator).bfloat16()
+        values = torch.randn(kv, context + n, dim, generator=generator).bfloat16()
+        mask = torch.zeros(n, context + n, dtype=torch.bool)
+        mask[:, :context] = True
+        for i in range(n):  # each row: itself and a random set of earlier tree entries
+            mask[i, context : context + i] = torch.rand(i, generator=generator) < 0.5
+            mask[i, context + i] = True
+        tree = kernels.tree_attention(q, keys, values, mask, dim**-0.5)
+        for i in range(n):
+            seen = mask[i].nonzero().squeeze(1)
+            plain = kernels.tree_attention(
+                q[i : i + 1],
+                keys[:, seen],
+                values[:, seen],
+                torch.ones(1, len(seen), dtype=torch.bool),
+                dim**-0.5,
+            )
+            assert torch.equal(plain, tree[i : i + 1]), (seed, i)

@@ -17,8 +17,10 @@
 // the probabilities and rounded to bfloat16 once.
 //
 // Every score lane sums its dim pairs in order, every output lane its entries in order, and the
-// softmax of a (row, head) reads only its own scores: a row's result is the same bits alone or
-// among others, however rows are blocked or split across threads.
+// softmax of a (row, head) reads only its own scores, summing them by their rank among the
+// allowed entries: a row's result is the same bits alone or among others, however rows are
+// blocked or split across threads, and the same as over a cache holding only its allowed entries
+// side by side (a tree row and the same token decoded plainly after its ancestors).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -166,19 +168,27 @@ inline void score_queries(const uint32_t* kt, int64_t pairs, int64_t b, int64_t 
   if constexpr (KB > 1) score_queries<QN, KB - 1>(kt, pairs, b, blocks, qs, scale);
 }
 
-// Scores into probabilities (unnormalized, zero where masked); returns their sum.
-inline float softmax(float* s, const uint16_t* bits, int64_t blocks) {
+// Scores into probabilities (unnormalized, zero where masked); returns their sum. The sum runs
+// over the allowed entries packed together (`packed`: room for blocks + 1 blocks), 16 lanes by
+// their rank among the allowed, not by their place in the cache: a tree row that skips the
+// entries of other branches then sums exactly as the same token does in plain decoding, where its
+// ancestors lie side by side.
+inline float softmax(float* s, const uint16_t* bits, int64_t blocks, float* packed) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int64_t b = 0; b < blocks; ++b)
     m = _mm512_mask_max_ps(m, bits[b], m, _mm512_loadu_ps(s + b * kBlock));
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-  __m512 sum = _mm512_setzero_ps();
+  int64_t count = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 e =
         _mm512_maskz_mov_ps(bits[b], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + b * kBlock), mx)));
     _mm512_storeu_ps(s + b * kBlock, e);
-    sum = _mm512_add_ps(sum, e);
+    _mm512_mask_compressstoreu_ps(packed + count, bits[b], e);
+    count += __builtin_popcount(bits[b]);
   }
+  _mm512_storeu_ps(packed + count, _mm512_setzero_ps());
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < count; c += kBlock) sum = _mm512_add_ps(sum, _mm512_loadu_ps(packed + c));
   return _mm512_reduce_add_ps(sum);
 }
 
@@ -253,6 +263,8 @@ void run_items(const Problem& p, int64_t begin, int64_t end) {
   thread_local std::vector<float> scores;
   thread_local std::vector<uint16_t> bits;
   thread_local std::vector<Query> qs;
+  thread_local std::vector<float> packed;
+  packed.resize(std::max<size_t>(packed.size(), (blocks + 1) * kBlock));
   keys.resize(std::max<size_t>(keys.size(), blocks * pairs * kBlock));
   scores.resize(std::max<size_t>(scores.size(), rows_per_pass * p.G * blocks * kBlock));
   bits.resize(std::max<size_t>(bits.size(), rows_per_pass * blocks));
@@ -279,7 +291,7 @@ void run_items(const Problem& p, int64_t begin, int64_t end) {
         case 2: score_queries<2, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
         case 1: score_queries<1, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
       }
-      for (int64_t j = 0; j < nq; ++j) qs[j].sum = softmax(qs[j].s, qs[j].bits, blocks);
+      for (int64_t j = 0; j < nq; ++j) qs[j].sum = softmax(qs[j].s, qs[j].bits, blocks, packed.data());
       value_queries<NV, QV>(p.v + c * p.v_head, p.v_row, p.L, qs.data(), nq);
     }
     item += r_end - r_begin;
