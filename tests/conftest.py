@@ -9,7 +9,7 @@ import torch
 
 from caddtree.models import TreeVerifier
 from caddtree.models.lean import LeanVerifier
-from tiny_models import MASK_TOKEN_ID, new_drafter, qwen3_target, saved_drafter
+from tiny_models import MASK_TOKEN_ID, new_drafter, qwen3_target, saved_drafter, training_data
 from tiny_tokenizer import tiny_tokenizer
 
 
@@ -17,6 +17,18 @@ from tiny_tokenizer import tiny_tokenizer
 def qwen3():
     """The tiny Qwen3 target (float64, seeded: the same weights in every module)."""
     return qwen3_target()
+
+
+@pytest.fixture(scope="module")
+def target():
+    """The tiny Qwen3 target the training tests train drafters for."""
+    return qwen3_target()
+
+
+@pytest.fixture(scope="module")
+def data(target):
+    """The training data (the target's own responses) of the training tests."""
+    return training_data(target)
 
 
 @pytest.fixture(scope="module")

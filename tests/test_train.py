@@ -15,19 +15,8 @@ from caddtree.train.data import TrainingData, prepare_data
 from caddtree.train.features import compute_features
 from caddtree.train.loss import AnchorBlockLoss, build_training_batch, dpace_weights
 from caddtree.train.trainer import train_drafter
-from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target, train_config, training_data
+from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target, train_config
 from tiny_tokenizer import tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def target():
-    return qwen3_target()
-
-
-@pytest.fixture(scope="module")
-def data(target):
-    return training_data(target)
-
 
 config = train_config
 

@@ -28,23 +28,11 @@ from tiny_models import (
     FEATURE_LAYER_IDS,
     VOCAB,
     new_drafter,
-    qwen3_target,
     train_config,
-    training_data,
 )
 
 LAYERS = list(FEATURE_LAYER_IDS)
 DRAFT_IDS = torch.tensor(sorted(set(range(0, VOCAB, 3)) | set(range(1, 40))))
-
-
-@pytest.fixture(scope="module")
-def target():
-    return qwen3_target()
-
-
-@pytest.fixture(scope="module")
-def data(target):
-    return training_data(target)
 
 
 config = train_config
