@@ -1,21 +1,25 @@
-"""caddtree's own bfloat16 linear kernel for CPUs with AVX512-BF16 (``csrc/linear_bf16.cpp``).
+"""caddtree's own bfloat16 kernels for CPUs with AVX512-BF16 (C++ in ``csrc/``): a linear layer
+for a few rows (``linear_bf16.cpp``) and attention for a few rows over a cache
+(``attention_bf16.cpp``).
 
 A decoding step or a tree verification multiplies a few rows by every weight of the model: the
 work is reading the weights once. oneDNN's packed linear (:mod:`caddtree.models.packing`) reads
-them at the machine's bandwidth too, but pays a fixed cost per call that, over the 120 linear
-calls of a forward of the built-in target, is a large share of it. The kernel here reads each
-weight in one sequential stream and starts with no set-up but its parallel loop;
-``benchmarks/linear_rows.py`` measures both side by side.
+them at the machine's bandwidth too, but pays a fixed cost per call that, over the 121 linear
+calls of a forward of the built-in target, is a large share of it; SDPA's flash kernel likewise
+spends most of a few-row attention call on its set-up. The kernels here start with no set-up but
+their parallel loop; ``benchmarks/linear_kernel.py`` and ``benchmarks/vs_llamacpp.py`` measure
+them.
 
-The kernel is built once per machine (about 10 s with the C++ compiler inductor also uses), cached
-as ``<cache root>/kernels/linear_bf16-<key>.so`` (the key covers the source, the torch build and
-the compiler), loaded with ``torch.ops.load_library`` and checked on a probe against ``F.linear``
-before anything uses it. It applies to bfloat16 weights on the CPU whose input size is even
-(:func:`pack_rows`); everything else keeps oneDNN or ``F.linear``.
-``CADDTREE_KERNELS=0`` turns it off (oneDNN then serves bfloat16 as before).
+They are built together once per machine (about 20 s with the C++ compiler inductor also uses),
+cached as ``<cache root>/kernels/<key>/caddtree_kernels.so`` (the key covers the sources, the torch
+build and the compiler), loaded with ``torch.ops.load_library`` and checked on probes against
+``F.linear`` and SDPA before anything uses them. The linear kernel applies to bfloat16 weights on
+the CPU whose input size is even (:func:`pack_rows`), the attention kernel to head sizes that are
+multiples of 16 up to 256 (:func:`attention_fits`); everything else keeps oneDNN, ``F.linear`` and
+SDPA. ``CADDTREE_KERNELS=0`` turns them off.
 
-A row's output is the same bits whatever the number of rows in the call (see the source), so
-plain decoding and tree verification through it agree exactly on their linear layers.
+Both give a row the same bits whatever else is in the call (see the sources), so plain decoding
+and tree verification through them agree exactly.
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ def _compile(cxx: str, sources: list[Path], output: str) -> None:
 
 
 def _unavailable() -> str | None:
-    """Why the kernel cannot be used here (``None``: it may be built)."""
+    """Why the kernels cannot be used here (``None``: they may be built)."""
     if os.environ.get("CADDTREE_KERNELS", "").strip().lower() in ("0", "off", "false", "no"):
         return "CADDTREE_KERNELS turns it off"
     if not torch.cpu._is_avx512_bf16_supported():
@@ -208,11 +212,11 @@ def _probe_attention() -> bool:
 
 @functools.cache
 def kernel_available() -> bool:
-    """Whether the kernel is built, loaded and passed its probe in this process (built on first
-    use; a failure is logged once and leaves bfloat16 to oneDNN)."""
+    """Whether the kernels are built, loaded and passed their probes in this process (built on
+    first use; a failure is logged once and leaves bfloat16 to oneDNN and SDPA)."""
     reason = _unavailable()
     if reason is not None:
-        logger.debug("caddtree's bfloat16 linear kernel is not used: %s", reason)
+        logger.debug("caddtree's bfloat16 kernels are not used: %s", reason)
         return False
     try:
         if not hasattr(torch.ops.caddtree, "linear_bf16"):
@@ -220,9 +224,9 @@ def kernel_available() -> bool:
             _register_fakes()
         if _probe() and _probe_attention():
             return True
-        logger.warning("caddtree's bfloat16 linear kernel failed its probe; oneDNN is used")
+        logger.warning("caddtree's bfloat16 kernels failed their probes; oneDNN and SDPA are used")
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("caddtree's bfloat16 linear kernel is not used: %s", exc)
+        logger.warning("caddtree's bfloat16 kernels are not used: %s", exc)
     return False
 
 
