@@ -162,15 +162,18 @@ def test_the_lean_runtime_runs_its_layers_on_the_kernel():
 
 def attention_case(n: int, length: int, heads: int, kv: int, dim: int, seed: int = 0):
     """Random rows, a cache of ``length + 5`` entries (strided views, as a cache slot is) and a
-    tree-like mask: every context entry, then each row's random ancestors and itself."""
+    tree mask: every context entry, then each row's random ancestors among the last ``n``
+    entries, and itself."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(n, heads, dim, generator=generator).bfloat16()
     cache = torch.randn(2, 2, kv, length + 5, dim, generator=generator).bfloat16()
     keys, values = cache[0, 1], cache[1, 0]
-    mask = torch.ones(n, length, dtype=torch.bool)
     context = length - n
+    mask = torch.zeros(n, length, dtype=torch.bool)
+    mask[:, :context] = True
     for i in range(n):
         mask[i, context : context + i] = torch.rand(i, generator=generator) < 0.5
+        mask[i, context + i] = True
     return q, keys, values, mask
 
 
@@ -268,15 +271,7 @@ def test_a_tree_row_attends_as_the_same_token_does_after_its_ancestors(context):
     cache, an output rounds otherwise about once in 10^5: hence many trees.)"""
     n, heads, kv, dim = 16, 9, 3, 64
     for seed in range(40):
-        generator = torch.Generator().manual_seed(seed)
-        q = torch.randn(n, heads, dim, generator=generator).bfloat16()
-        keys = torch.randn(kv, context + n, dim, generator=generator).bfloat16()
-        values = torch.randn(kv, context + n, dim, generator=generator).bfloat16()
-        mask = torch.zeros(n, context + n, dtype=torch.bool)
-        mask[:, :context] = True
-        for i in range(n):  # each row: itself and a random set of earlier tree entries
-            mask[i, context : context + i] = torch.rand(i, generator=generator) < 0.5
-            mask[i, context + i] = True
+        q, keys, values, mask = attention_case(n, context + n, heads, kv, dim, seed)
         tree = kernels.tree_attention(q, keys, values, mask, dim**-0.5)
         for i in range(n):
             seen = mask[i].nonzero().squeeze(1)
