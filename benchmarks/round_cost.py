@@ -151,7 +151,7 @@ def main() -> None:
         type=int,
         nargs="*",
         help="positions per projection call, in order, the rest in one more call (see "
-        "caddtree.models.proposer.DraftLogits); none: the whole block at once. Default: the "
+        "caddtree.models.drafts.DraftLogits); none: the whole block at once. Default: the "
         "proposer's own",
     )
     args = parser.parse_args()

@@ -7,7 +7,7 @@ import torch
 
 from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import TreeVerifier
-from caddtree.models.proposer import DraftLogits
+from caddtree.models.drafts import DraftLogits
 from tiny_models import FEATURE_LAYER_IDS
 
 

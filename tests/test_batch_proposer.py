@@ -1,6 +1,7 @@
 """One drafter pass for several sequences (caddtree.models.batch_proposer) drafts what the
-single-sequence proposer drafts for each alone: float64, sequences of other lengths in slots out
-of order, over several passes, with slots joining (reset) and the cache growing."""
+drafter module's own forward drafts for each sequence over its whole context: float64, sequences
+of other lengths in slots out of order, over several passes, with slots joining (reset) and the
+cache growing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from caddtree import InvalidInputError
 from caddtree.models.batch_proposer import BatchProposer, DraftCall
+from caddtree.models.dflash import draft_lm_head
 from caddtree.models.proposer import DFlashProposer
 from tiny_models import new_drafter, qwen3_target
 
@@ -27,18 +29,32 @@ def features(drafter, rows: int, seed: int) -> torch.Tensor:
     )
 
 
-def test_each_sequence_of_a_pass_drafts_as_it_would_alone(pair):
-    target, drafter = pair
+def module_draft(target, drafter, bonus: int, context: torch.Tensor) -> torch.Tensor:
+    """The drafter module's forward over the whole ``context`` [T, k*H] (no cache), then the
+    block ``[bonus, MASK, ..]`` right after it: the draft logits of positions 1 .. B-1."""
+    size = drafter.block_size
+    block = torch.tensor([[bonus] + [drafter.mask_token_id] * (size - 1)])
+    with torch.no_grad():
+        hidden = drafter(
+            target.get_input_embeddings()(block),
+            context[None],
+            torch.arange(context.shape[0] + size)[None],
+        )
+        head = draft_lm_head(target.get_output_embeddings(), drafter.draft_token_ids)
+        return head(hidden[0, 1:])
 
+
+def test_each_sequence_of_a_pass_drafts_what_the_module_drafts_over_its_context(pair):
+    target, drafter = pair
     batched = BatchProposer(drafter, target, slots=4)
-    alone = {slot: DFlashProposer(drafter, target) for slot in range(4)}
+    history = {slot: features(drafter, 0, 0) for slot in range(4)}
     rng = np.random.default_rng(0)
     active = [2, 0, 3]
     for step in range(6):
         if step == 3:  # slot 1 joins, slot 0 leaves and a new request takes it
             active = [1, 3, 2, 0]
             batched.reset(0)
-            alone[0].reset()
+            history[0] = history[0][:0]
         calls = [
             DraftCall(
                 slot,
@@ -53,19 +69,36 @@ def test_each_sequence_of_a_pass_drafts_as_it_would_alone(pair):
         ]
         ours = batched.propose(calls)
         for call, draft in zip(calls, ours):
-            theirs = alone[call.slot].propose(call.bonus, call.features[None])
-            torch.testing.assert_close(draft.rows(), theirs.rows(), rtol=1e-10, atol=1e-10)
-            assert batched.lengths[call.slot] == alone[call.slot].context_length
+            history[call.slot] = torch.cat([history[call.slot], call.features])
+            expected = module_draft(target, drafter, call.bonus, history[call.slot])
+            torch.testing.assert_close(draft.rows(), expected, rtol=1e-10, atol=1e-10)
+            assert batched.lengths[call.slot] == history[call.slot].shape[0]
     assert batched.capacity >= max(batched.lengths)
+
+
+def test_the_single_sequence_proposer_is_the_one_slot_pass(pair):
+    """DFlashProposer drafts through BatchProposer's pass: over passes, as the module does."""
+    target, drafter = pair
+    alone = DFlashProposer(drafter, target)
+    seen = features(drafter, 0, 0)
+    for step, rows in enumerate((7, 1, 3)):
+        new = features(drafter, rows, step)
+        seen = torch.cat([seen, new])
+        ours = alone.propose(step + 5, new[None]).rows()
+        torch.testing.assert_close(ours, module_draft(target, drafter, step + 5, seen))
+    assert alone.context_length == seen.shape[0] == 11
+    assert alone.packed_layers() == 0  # float64: nothing is packed
 
 
 def test_a_pass_grows_the_cache_and_refuses_repeated_slots(pair):
     target, drafter = pair
     batched = BatchProposer(drafter, target, slots=2)
-    alone = DFlashProposer(drafter, target)
-    long = features(drafter, 300, 1)  # past the first 256 entries
-    ours = batched.propose([DraftCall(1, 5, long)])[0]
-    torch.testing.assert_close(ours.rows(), alone.propose(5, long[None]).rows())
-    assert batched.capacity >= 300 + drafter.block_size
+    short, long = features(drafter, 10, 2), features(drafter, 300, 1)
+    batched.propose([DraftCall(1, 4, short)])
+    assert batched.capacity == 256
+    ours = batched.propose([DraftCall(1, 5, long)])[0]  # grows, carrying the 10 entries over
+    whole = torch.cat([short, long])
+    torch.testing.assert_close(ours.rows(), module_draft(target, drafter, 5, whole))
+    assert batched.capacity >= 310 + drafter.block_size
     with pytest.raises(InvalidInputError, match="distinct slots"):
         batched.propose([DraftCall(0, 1, long[:1]), DraftCall(0, 2, long[:1])])

@@ -14,7 +14,7 @@ from caddtree.core.cost import PiecewiseLinearCurve
 from caddtree.core.tree import DraftRows
 from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashProposer, TreeVerifier
-from caddtree.models.proposer import PROJECTION_STEPS, DraftLogits
+from caddtree.models.drafts import PROJECTION_STEPS, DraftLogits
 from tiny_models import FEATURE_LAYER_IDS, new_drafter
 
 

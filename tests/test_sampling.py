@@ -30,7 +30,7 @@ from caddtree.cli import main
 from caddtree.core.sampling import Sampler
 from caddtree.engine.decoding import decode, make_policy
 from caddtree.models import DFlashProposer
-from caddtree.models.proposer import DraftLogits
+from caddtree.models.drafts import DraftLogits
 from oracle import OracleProposer, decode_with
 from sampling_checks import (
     MARGINAL_PROMPT,

@@ -160,18 +160,23 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.drafter = drafter.eval() if drafter is not None else None
         self.proposer = (
-            DFlashProposer(self.drafter, self.target) if self.drafter is not None else None
+            DFlashProposer(self.drafter, self.target, pack=pack_weights)
+            if self.drafter is not None
+            else None
         )
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         self.verifier = _verifier(self.target, layer_ids, runtime, pack_weights)
         self.runtime = self.verifier.runtime
         # On the CPU, lay the linear layers' weights out for oneDNN once instead of every call
         # (caddtree.models.packing); elsewhere, and with pack_weights=False, this packs nothing.
-        # The lean runtime packs its own fused copies; of the target it still calls the LM head.
+        # The lean runtime and the proposer pack their own fused copies; of the target the lean
+        # runtime still calls the LM head, and the proposer its (draft-vocabulary) head.
         head = self.proposer.lm_head if self.proposer is not None else None
         own = self.target if self.runtime == "transformers" else self.target.lm_head
         self.packed_layers = (
-            pack_linear_layers(own, self.drafter, head) + self.verifier.packed_layers()
+            pack_linear_layers(own, head)
+            + self.verifier.packed_layers()
+            + (self.proposer.packed_layers() if self.proposer is not None else 0)
             if pack_weights
             else 0
         )

@@ -146,7 +146,7 @@ class DraftRows(Protocol):
 
 DraftInput = Union[TopK, DraftRows, np.ndarray, "torch.Tensor"]
 """What the tree builders read draft logits from: a :class:`TopK`, rows computed on demand
-(:class:`DraftRows`, e.g. :class:`~caddtree.models.proposer.DraftLogits`), or logits ``[L, V]``
+(:class:`DraftRows`, e.g. :class:`~caddtree.models.drafts.DraftLogits`), or logits ``[L, V]``
 as a numpy array or a torch tensor on any device."""
 
 

@@ -34,8 +34,8 @@ from ..core.cost import CostModel
 from ..core.sampling import TokenContext, walk_tree
 from ..core.tree import DraftTree, build_joint_caddtrees, verification_rows
 from ..models.batch_proposer import BatchProposer, DraftCall
+from ..models.drafts import DraftLogits
 from ..models.lean import LeanTarget, Rows
-from ..models.proposer import DraftLogits
 from ..models.target import tree_position_ids
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError

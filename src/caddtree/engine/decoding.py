@@ -40,7 +40,7 @@ from .stats import GenerationResult, GenerationStats, RoundStats
 if TYPE_CHECKING:  # pragma: no cover
     from ..core.candidates import DraftInput
     from ..core.cost import CostModel
-    from ..models.proposer import DraftLogits
+    from ..models.drafts import DraftLogits
     from ..models.target import TreeVerifier
 
 __all__ = [
@@ -71,7 +71,7 @@ class Proposer(Protocol):
     """What the round loop needs from a drafter (the proposer of docs/design.md's round).
 
     ``propose(bonus, new_context_features)`` returns the draft logits of the block after
-    ``bonus``, ``[B-1, V]``, as :class:`~caddtree.models.proposer.DraftLogits` (which carries the
+    ``bonus``, ``[B-1, V]``, as :class:`~caddtree.models.drafts.DraftLogits` (which carries the
     map from a draft vocabulary to the target's); ``new_context_features`` are the target's
     features of the tokens committed since the last call. ``reset()`` forgets everything (a new
     prompt); ``crop(length)`` forgets the context past its first ``length`` tokens;

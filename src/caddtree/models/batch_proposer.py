@@ -1,9 +1,9 @@
-"""One DFlash drafter pass for several sequences: the proposer of batched decoding.
+"""One DFlash drafter pass for one or several sequences, on caddtree's own forward.
 
 :class:`BatchProposer` keeps one drafter KV cache per **slot** (one per request being decoded)
-and runs the blocks of every drafting request in a single pass through the drafter's layers,
-instead of one pass per request (:class:`~caddtree.models.proposer.DFlashProposer`, whose
-protocol it follows slot by slot). In a pass of ``B`` sequences, sequence ``b``:
+and runs the blocks of every drafting request in a single pass through the drafter's layers.
+:class:`~caddtree.models.proposer.DFlashProposer` is its one-slot view for single-request
+decoding. In a pass of ``B`` sequences, sequence ``b``:
 
 * appends the keys/values of its ``c_b`` new context features (the target's features of its
   tokens since its last pass) at its cache entries ``length_b .. length_b + c_b - 1``;
@@ -13,10 +13,15 @@ protocol it follows slot by slot). In a pass of ``B`` sequences, sequence ``b``:
 * keeps the context entries and drops the block's (they lie past its length and are overwritten
   by the next pass).
 
-The linear layers, norms and MLPs run once over all sequences' rows; the attention runs once
-over the slots' caches, padded to the longest under a mask. Its draft logits equal
-``DFlashProposer``'s for each sequence alone (float64 to rounding: tests/test_batch_proposer.py).
-The cache grows when a pass would outgrow it.
+The pass is the lean runtime's arithmetic (:mod:`caddtree.models.layers`), not the drafter
+module's forward: q/k/v and gate/up fused and packed once (caddtree's bfloat16 kernel on CPUs
+with AVX512-BF16, else oneDNN), RMSNorm in one call, rotary tables computed once, a static cache
+written by entry, and attention one call per sequence over its own slot (caddtree's attention
+kernel where the drafter runs in bfloat16 on such a CPU, else SDPA). The linear layers and norms
+run once over all sequences' rows. The weights are read when the proposer is made: make a new
+one after changing the drafter's. Its draft logits equal the drafter module's forward over each
+sequence's whole context (float64 to rounding: tests/test_batch_proposer.py). The cache grows
+when a pass would outgrow it.
 """
 
 from __future__ import annotations
@@ -24,16 +29,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from ..util.checks import check_int
-from ..util.errors import InvalidInputError
+from ..util.errors import CheckpointError, InvalidInputError
 from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
-from .proposer import PROJECTION_STEPS, DraftLogits
+from .drafts import PROJECTION_STEPS, DraftLogits
+from .kernels import attention_fits, kernel_in_use, tree_attention
+from .layers import Shape, decoder_layer, fused_linear, layer_weights, rms_norm, rotary_tables
 
 __all__ = ["BatchProposer", "DraftCall"]
+
+_MIN_CAPACITY = 256
 
 
 class DraftCall(NamedTuple):
@@ -52,20 +61,40 @@ class BatchProposer:
         drafter: the DFlash drafter.
         target_model: the target whose embeddings and lm_head the drafter reads.
         slots: sequences it can hold (each :meth:`propose` call uses some of them).
+        pack: on the CPU, keep the fused linear weights packed
+            (:func:`~caddtree.models.packing.pack_weight`).
     """
 
-    def __init__(self, drafter: DFlashDraftModel, target_model: Any, slots: int) -> None:
+    def __init__(
+        self, drafter: DFlashDraftModel, target_model: Any, slots: int, *, pack: bool = True
+    ) -> None:
         check_drafter_fits_target(drafter, target_model.config)
         self.drafter = drafter
         self.embed_tokens = target_model.get_input_embeddings()
+        lm_head = target_model.get_output_embeddings()
+        if self.embed_tokens is None or lm_head is None:
+            raise CheckpointError("the target model must have input embeddings and an lm_head")
         ids = drafter.draft_token_ids
-        self.lm_head = draft_lm_head(target_model.get_output_embeddings(), ids)
+        self.lm_head = draft_lm_head(lm_head, ids)
         #: target id of each draft id (numpy int64 [K]), or ``None`` with the full vocabulary
         self.token_map = None if ids is None else ids.cpu().numpy()
+        #: how :meth:`propose`'s logits are projected (see :class:`DraftLogits`)
+        self.projection_steps: tuple[int, ...] = PROJECTION_STEPS
         config = drafter.config
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        attention = drafter.layers[0].self_attn
-        self.head_dim, self.scale = attention.head_dim, attention.scaling
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        head_dim = drafter.layers[0].self_attn.head_dim
+        self.shape = Shape(heads, kv_heads, head_dim, float(config.rms_norm_eps))
+        self.scale = head_dim**-0.5
+        weight = drafter.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.fc = fused_linear([drafter.fc], pack)
+        self.layers = [layer_weights(layer, heads, kv_heads, pack) for layer in drafter.layers]
+        self.fused_attention = (
+            self.device.type == "cpu"
+            and kernel_in_use(self.dtype)
+            and attention_fits(head_dim, heads, kv_heads)
+        )
+        self._cos = self._sin = torch.empty(0)
         self.slots = check_int("slots", slots, minimum=1)
         self.lengths = [0] * self.slots
         self.keys: list[torch.Tensor] = []
@@ -76,27 +105,40 @@ class BatchProposer:
     def block_size(self) -> int:
         return self.drafter.block_size
 
+    def packed_layers(self) -> int:
+        """How many of the pass's (fused) linear layers are packed."""
+        linears = [self.fc] + [
+            linear
+            for layer in self.layers
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        return sum(linear.packed is not None for linear in linears)
+
     def reset(self, slot: int) -> None:
         """Forget ``slot``'s context (a new request takes it)."""
         self.lengths[slot] = 0
 
     def _reserve(self, needed: int) -> None:
-        """Room for ``needed`` entries per slot, the slots' entries carried over. Zeros: the
-        entries a padded pass masks out must hold numbers (a zero weight times NaN is NaN)."""
+        """Room for ``needed`` entries per slot, the slots' context entries carried over."""
         if needed <= self.capacity:
             return
-        capacity = max(needed, 2 * self.capacity, 256)
-        weight = self.drafter.fc.weight
-        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
+        capacity = max(needed, 2 * self.capacity, _MIN_CAPACITY)
+        shape = (self.slots, self.shape.kv_heads, capacity, self.shape.head_dim)
 
         def grown(old: list[torch.Tensor]) -> list[torch.Tensor]:
-            new = [weight.new_zeros(shape) for _ in self.drafter.layers]
+            new = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
             for fresh, kept in zip(new, old):  # nothing to keep the first time
                 fresh[:, :, : self.capacity] = kept
             return new
 
         self.keys, self.values = grown(self.keys), grown(self.values)
         self.capacity = capacity
+
+    def _ensure_positions(self, needed: int) -> None:
+        if needed > self._cos.shape[0]:
+            size = max(needed, 2 * self._cos.shape[0], _MIN_CAPACITY)
+            rotary = self.drafter.rotary_emb
+            self._cos, self._sin = rotary_tables(rotary, size, self.device, self.dtype)
 
     @torch.no_grad()
     def propose(self, calls: Sequence[DraftCall]) -> list[DraftLogits]:
@@ -105,26 +147,26 @@ class BatchProposer:
         <caddtree.models.proposer.DFlashProposer.propose>` returns them."""
         plan = self._plan(calls)
         self._reserve(max(plan.ends))
-        drafter = self.drafter
-        weight = drafter.fc.weight
-        features = torch.cat([c.features.reshape(-1, drafter.fc.in_features) for c in calls])
-        context = drafter.hidden_norm(drafter.fc(features.to(weight)))
-        hidden = self.embed_tokens(plan.block.to(self.embed_tokens.weight.device)).to(weight)
-        cos, sin = drafter.rotary_emb(hidden, plan.positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, D]
-        for index, layer in enumerate(drafter.layers):
-            attended = self._attention(
-                index, layer.self_attn, layer.input_layernorm(hidden), context, cos, sin, plan
-            )
-            hidden = hidden + attended
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = drafter.norm(hidden).view(len(calls), self.block_size, -1)
+        self._ensure_positions(max(plan.ends))
+        width = self.drafter.fc.in_features
+        features = [c.features.reshape(-1, width) for c in calls]
+        features = features[0] if len(features) == 1 else torch.cat(features)
+        context = self.fc(features.to(device=self.device, dtype=self.dtype))
+        context = rms_norm(context, self.drafter.hidden_norm.weight, self.shape.eps)
+        tokens = plan.block.to(self.embed_tokens.weight.device)
+        hidden = self.embed_tokens(tokens).to(device=self.device, dtype=self.dtype)
+        cos, sin = self._cos[plan.positions], self._sin[plan.positions]
+        for index, layer in enumerate(self.layers):
+            attend = _Attend(self, index, plan)
+            hidden = decoder_layer(layer, self.shape, hidden, cos, sin, attend, context)
+        hidden = rms_norm(hidden, self.drafter.norm.weight, self.shape.eps)
+        hidden = hidden.view(len(calls), self.block_size, -1)
         for call, start in zip(calls, plan.starts):
             self.lengths[call.slot] = start
         target_dtype = self.lm_head.weight
         return [
             DraftLogits(
-                hidden[b, 1:].to(target_dtype), self.lm_head, PROJECTION_STEPS, self.token_map
+                hidden[b, 1:].to(target_dtype), self.lm_head, self.projection_steps, self.token_map
             )
             for b in range(len(calls))
         ]
@@ -139,90 +181,91 @@ class BatchProposer:
             raise InvalidInputError(
                 f"a drafter pass needs distinct slots below {self.slots}: {slots}"
             )
-        q, device = self.block_size, self.drafter.fc.weight.device
+        q = self.block_size
         counts = [int(c.features.reshape(-1, c.features.shape[-1]).shape[0]) for c in calls]
         firsts = [self.lengths[s] for s in slots]
         starts = [f + c for f, c in zip(firsts, counts)]
-        block = torch.full((len(calls), q), self.drafter.mask_token_id, dtype=torch.long)
-        block[:, 0] = torch.tensor([int(c.bonus) for c in calls])
-        context_entries = [list(range(f, s)) for f, s in zip(firsts, starts)]
-        block_entries = [list(range(s, s + q)) for s in starts]
-        flat = [e for entries in context_entries for e in entries] + [
-            e for entries in block_entries for e in entries
-        ]
-        row_slots = [s for s, c in zip(slots, counts) for _ in range(c)] + [
-            s for s in slots for _ in range(q)
-        ]
-        length = max(starts) + q
-        visible = torch.zeros((len(calls), 1, 1, length), dtype=torch.bool)
-        for b, start in enumerate(starts):
-            visible[b, 0, 0, : start + q] = True
+        block = np.full((len(calls), q), self.drafter.mask_token_id, dtype=np.int64)
+        block[:, 0] = [int(c.bonus) for c in calls]
+        # every row's cache entry (which is its position): context rows first, then the blocks
+        entries = np.concatenate(
+            [np.arange(f, s) for f, s in zip(firsts, starts)]
+            + [np.arange(s, s + q) for s in starts]
+        )
+        row_slots = np.concatenate([np.repeat(slots, counts), np.repeat(slots, q)])
+        index = torch.from_numpy(np.stack((entries, row_slots))).to(self.device)
         return _Plan(
             slots=slots,
+            counts=counts,
             starts=starts,
             ends=[s + q for s in starts],
-            block=block.view(-1),
-            positions=torch.tensor(flat, device=device),
-            write=(torch.tensor(row_slots, device=device), torch.tensor(flat, device=device)),
-            mask=visible.expand(-1, -1, q, -1).to(device),
-            context_rows=sum(counts),
+            block=torch.from_numpy(block.reshape(-1)),
+            positions=index[0],
+            write=None if len(calls) == 1 else (index[1], index[0]),
+            visible=torch.ones((q, max(starts) + q), dtype=torch.bool, device=self.device),
         )
-
-    def _attention(
-        self,
-        index: int,
-        attention: Any,
-        hidden: torch.Tensor,
-        context: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: _Plan,
-    ) -> torch.Tensor:
-        """The layer's attention of every block row: writes the context and block keys/values
-        into the slots, then attends each block over its slot."""
-        rows, dim, q = hidden.shape[0], self.head_dim, self.block_size
-        c = plan.context_rows
-        queries = attention.q_norm(attention.q_proj(hidden).view(rows, self.heads, dim))
-        queries = _rotate(queries, cos[c:], sin[c:])
-        kv_input = torch.cat([context, hidden])
-        keys = attention.k_norm(attention.k_proj(kv_input).view(-1, self.kv_heads, dim))
-        keys = _rotate(keys, cos, sin)
-        values = attention.v_proj(kv_input).view(-1, self.kv_heads, dim)
-        slots, entries = plan.write
-        self.keys[index][slots, :, entries] = keys
-        self.values[index][slots, :, entries] = values
-        slot_index = torch.tensor(plan.slots, device=hidden.device)
-        length = plan.mask.shape[-1]
-        k_seen = self.keys[index][:, :, :length].index_select(0, slot_index)
-        v_seen = self.values[index][:, :, :length].index_select(0, slot_index)
-        query = queries.view(len(plan.slots), q, self.heads, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            query,
-            k_seen,
-            v_seen,
-            attn_mask=plan.mask,
-            scale=self.scale,
-            enable_gqa=self.heads != self.kv_heads,
-        )
-        return attention.o_proj(out.transpose(1, 2).reshape(rows, self.heads * dim))
 
 
 class _Plan(NamedTuple):
-    """Where a pass's rows go: per sequence its slot, its new length (``starts``: its block's
-    first position) and block end; every row's position and cache entry (context rows first,
-    then the blocks), and the attention mask of the blocks [B, 1, q, L]."""
+    """Where a pass's rows go: per sequence its slot, its count of new context rows, its new
+    length (``starts``: its block's first position) and block end; every row's position, which
+    is its cache entry (context rows first, then the blocks), and for several sequences the
+    (slot, entry) of every row; and a mask that shows a block everything up to its end (sliced
+    per sequence: caddtree's attention kernel takes one)."""
 
     slots: list[int]
+    counts: list[int]
     starts: list[int]
     ends: list[int]
     block: torch.Tensor
     positions: torch.Tensor
-    write: tuple[torch.Tensor, torch.Tensor]
-    mask: torch.Tensor
-    context_rows: int
+    write: tuple[torch.Tensor, torch.Tensor] | None
+    visible: torch.Tensor
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` [rows, heads, D] by ``cos``/``sin`` [rows, 1, D], as the
-    drafter's own attention applies it (transformers' ``rotate_half``)."""
-    return x * cos + rotate_half(x) * sin
+class _Attend:
+    """The cache's part of a drafter layer (:data:`~caddtree.models.layers.Attend`): writes the
+    keys and values of the context and block rows into their slots, then attends each block over
+    its slot's first ``start + q`` entries (all of them visible)."""
+
+    def __init__(self, proposer: BatchProposer, index: int, plan: _Plan) -> None:
+        self.proposer, self.plan = proposer, plan
+        self.keys, self.values = proposer.keys[index], proposer.values[index]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._write(k, v)
+        proposer, plan = self.proposer, self.plan
+        size = proposer.block_size
+        out = []
+        for b, (slot, end) in enumerate(zip(plan.slots, plan.ends)):
+            query = q[b * size : (b + 1) * size]
+            out.append(self._attend(query, slot, end))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        plan = self.plan
+        if plan.write is None:  # one sequence: its entries are consecutive
+            slot, first = plan.slots[0], plan.starts[0] - plan.counts[0]
+            self.keys[slot, :, first : plan.ends[0]] = k.transpose(0, 1)
+            self.values[slot, :, first : plan.ends[0]] = v.transpose(0, 1)
+        else:
+            slots, entries = plan.write
+            self.keys[slots, :, entries] = k
+            self.values[slots, :, entries] = v
+
+    def _attend(self, query: torch.Tensor, slot: int, end: int) -> torch.Tensor:
+        """Block rows ``query`` [q, H, D] over entries ``0 .. end - 1`` of ``slot``: [q, H*D]."""
+        proposer = self.proposer
+        keys, values = self.keys[slot], self.values[slot]
+        if proposer.fused_attention:
+            visible = self.plan.visible[:, :end]
+            return tree_attention(query, keys, values, visible, proposer.scale)
+        shape = proposer.shape
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None],
+            keys[None, :, :end],
+            values[None, :, :end],
+            scale=proposer.scale,
+            enable_gqa=shape.heads != shape.kv_heads,
+        )
+        return out[0].transpose(0, 1).reshape(query.shape[0], -1)

@@ -22,8 +22,10 @@ __all__ = [
     "Shape",
     "decoder_layer",
     "fused_linear",
+    "layer_weights",
     "packed_layers_fit",
     "rms_norm",
+    "rotary_tables",
     "rotate",
 ]
 
@@ -91,6 +93,45 @@ class LayerWeights(NamedTuple):
     down: Linear
 
 
+def layer_weights(layer: Any, heads: int, kv_heads: int, pack: bool) -> LayerWeights:
+    """The weights of a transformers decoder layer of the Llama / Qwen3 layout (``self_attn``
+    with ``q/k/v/o_proj`` and, in Qwen3, ``q_norm``/``k_norm``; ``mlp`` with ``gate/up/down_proj``;
+    ``input_layernorm``, ``post_attention_layernorm``), fused and packed (:func:`fused_linear`).
+    A DFlash drafter's layers have the same layout."""
+    attention, mlp = layer.self_attn, layer.mlp
+    q_norm = getattr(attention, "q_norm", None)
+    qk_norm = None
+    if q_norm is not None:
+        qk_norm = torch.cat(
+            (
+                q_norm.weight.detach().expand(heads, -1),
+                attention.k_norm.weight.detach().expand(kv_heads, -1),
+            )
+        )
+    return LayerWeights(
+        layer.input_layernorm.weight.detach(),
+        fused_linear([attention.q_proj, attention.k_proj, attention.v_proj], pack),
+        qk_norm,
+        fused_linear([attention.o_proj], pack),
+        layer.post_attention_layernorm.weight.detach(),
+        fused_linear([mlp.gate_proj, mlp.up_proj], pack),
+        fused_linear([mlp.down_proj], pack),
+    )
+
+
+def rotary_tables(
+    rotary: nn.Module, size: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and signed ``sin`` [size, 1, D] of positions ``0 .. size - 1`` for :func:`rotate`,
+    computed by the model's own rotary module (so every static RoPE type it supports comes out
+    exactly as transformers' forward has it)."""
+    positions = torch.arange(size, device=device)[None]
+    cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), positions)
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+    return cos[0].unsqueeze(1), signed[0].unsqueeze(1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalised in float32, scaled in the input dtype. Op for op
     in float64 (whose tests compare with transformers to rounding); torch's own kernel, one call
@@ -140,18 +181,29 @@ def decoder_layer(
     cos: torch.Tensor,
     sin: torch.Tensor,
     attend: Attend,
+    context: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decoder layer over rows ``x`` [N, hidden] whose rotary tables are ``cos``/``sin``;
     ``attend`` does the cache's part (eager: :class:`LeanTarget`; compiled:
-    :mod:`caddtree.models.compiled`)."""
-    n = x.shape[0]
+    :mod:`caddtree.models.compiled`; the drafter: :mod:`caddtree.models.batch_proposer`).
+
+    ``context`` [C, hidden]: rows that only give keys and values, ahead of ``x``'s (a DFlash
+    drafter's projected context features, which enter its q/k/v projection without the input
+    norm). ``cos``/``sin`` then cover ``C + N`` rows, and ``attend`` gets the queries of ``x``'s
+    rows and the keys and values of all ``C + N``."""
+    normed = rms_norm(x, layer.input_norm, shape.eps)
+    if context is not None:
+        normed = torch.cat((context, normed))
+    n = normed.shape[0]
     # q and k are neighbours in the fused output: normed (Qwen3) and rotated together
-    qk, v = layer.qkv(rms_norm(x, layer.input_norm, shape.eps)).split(shape.qk_v_sizes, -1)
+    qk, v = layer.qkv(normed).split(shape.qk_v_sizes, -1)
     qk = qk.view(n, shape.heads + shape.kv_heads, shape.head_dim)
     v = v.view(n, shape.kv_heads, shape.head_dim)
     if layer.qk_norm is not None:
         qk = rms_norm(qk, layer.qk_norm, shape.eps)
     q, k = rotate(qk, cos, sin).split((shape.heads, shape.kv_heads), 1)
+    if context is not None:
+        q = q[context.shape[0] :]
     x = x + layer.o(attend(q, k, v))
     gate, up = layer.gate_up(rms_norm(x, layer.post_norm, shape.eps)).chunk(2, -1)
     return x + layer.down(F.silu(gate) * up)

@@ -49,7 +49,14 @@ from torch import nn
 from ..core.tree import DraftTree
 from ..util.errors import InvalidInputError
 from .kernels import attention_fits, kernel_in_use, tree_attention
-from .layers import LayerWeights, Shape, decoder_layer, fused_linear, packed_layers_fit, rms_norm
+from .layers import (
+    Shape,
+    decoder_layer,
+    layer_weights,
+    packed_layers_fit,
+    rms_norm,
+    rotary_tables,
+)
 from .target import TreeVerifier
 
 if TYPE_CHECKING:
@@ -278,7 +285,10 @@ class LeanTarget:
             and kernel_in_use(self.dtype)
             and attention_fits(self.head_dim, self.heads, self.kv_heads)
         )
-        self.layers = [self._layer(layer) for layer in model.model.layers]
+        self.layers = [
+            layer_weights(layer, self.heads, self.kv_heads, self.pack)
+            for layer in model.model.layers
+        ]
         self.shape = Shape(self.heads, self.kv_heads, self.head_dim, self.eps)
         self.slots, self.capacity = 0, 0
         self._written: list[int] = []
@@ -319,27 +329,6 @@ class LeanTarget:
             self.forward(Rows.single(tokens, positions, 2, visibility))
         finally:
             self.release()
-
-    def _layer(self, layer: Any) -> LayerWeights:
-        attention, mlp = layer.self_attn, layer.mlp
-        q_norm = getattr(attention, "q_norm", None)
-        qk_norm = None
-        if q_norm is not None:
-            qk_norm = torch.cat(
-                (
-                    q_norm.weight.detach().expand(self.heads, -1),
-                    attention.k_norm.weight.detach().expand(self.kv_heads, -1),
-                )
-            )
-        return LayerWeights(
-            layer.input_layernorm.weight.detach(),
-            fused_linear([attention.q_proj, attention.k_proj, attention.v_proj], self.pack),
-            qk_norm,
-            fused_linear([attention.o_proj], self.pack),
-            layer.post_attention_layernorm.weight.detach(),
-            fused_linear([mlp.gate_proj, mlp.up_proj], self.pack),
-            fused_linear([mlp.down_proj], self.pack),
-        )
 
     # ---- the cache ------------------------------------------------------------------------------
 
@@ -406,12 +395,7 @@ class LeanTarget:
             return
         size = max(needed, 2 * self._cos.shape[0], _MIN_CAPACITY)
         rotary = self.model.model.rotary_emb
-        positions = torch.arange(size, device=self.device)[None]
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = rotary(probe, positions)
-        half = sin.shape[-1] // 2
-        signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
-        self._cos, self._sin = cos[0].unsqueeze(1), signed[0].unsqueeze(1)  # [P, 1, D]
+        self._cos, self._sin = rotary_tables(rotary, size, self.device, self.dtype)
 
     # ---- the forward ------------------------------------------------------------------------------
 
