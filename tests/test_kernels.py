@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from caddtree.models import kernels
+from caddtree.models import kernels, packing
 from caddtree.models.packing import pack_linear_layers, pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(
-    not kernels.kernel_available(), reason="caddtree's bfloat16 kernel needs AVX512-BF16 and g++"
+    not kernels.kernel_available(),
+    reason="caddtree's bfloat16 kernels need AVX512-BF16 or AVX2, and g++",
 )
 
 
@@ -88,6 +89,32 @@ def test_bad_inputs_get_clear_errors():
         kernels.rows_linear(torch.randn(2, 40).bfloat16(), packed, None, 70)
 
 
+def onednn_layout(packed: torch.Tensor | None) -> bool:
+    """``packed`` is oneDNN's bfloat16 layout, or nothing on a CPU where oneDNN packs no
+    bfloat16 (AVX2 without AVX-512)."""
+    if packing._kernel_packs(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        return packed is not None and packed.dim() == 2
+    return packed is None
+
+
+def test_each_cpu_builds_its_variant_of_the_kernels(monkeypatch):
+    """The AVX512-BF16 and AVX2 builds compile their own sources with their own flags, into
+    libraries under different cache keys."""
+    keys = set()
+    for variant in (kernels._AVX512_BF16, kernels._AVX2):
+        monkeypatch.setattr(kernels, "_variant", lambda v=variant: v)
+        command = kernels._command("g++", [], "out.so")
+        assert all(flag in command for flag in variant.flags)
+        assert set(kernels._sources()) == set(variant.sources)
+        keys.add(kernels._key("g++"))
+    assert len(keys) == 2
+    monkeypatch.undo()
+    if torch.cpu._is_avx512_bf16_supported():
+        assert kernels.kernel_variant() == "avx512-bf16"
+    else:  # the kernels are available here, so the CPU has AVX2
+        assert kernels.kernel_variant() == "avx2"
+
+
 def test_where_the_kernel_applies():
     assert kernels.pack_rows(torch.randn(64, 40).bfloat16()).shape == (2, 20, 32, 2)
     assert kernels.pack_rows(torch.randn(64, 40)) is None  # float32: oneDNN
@@ -103,7 +130,8 @@ def test_packing_takes_the_kernel_for_bfloat16_and_onednn_otherwise():
     assert pack_weight(weight.float()).dim() == 2  # oneDNN's
     x = torch.randn(5, 40).bfloat16()
     assert torch.equal(packed_linear(x, ours, bias), kernels.rows_linear(x, ours, bias))
-    assert pack_weight(weight[:40], padded=False).dim() == 2  # not whole groups: oneDNN
+    # not whole groups: oneDNN, where it packs bfloat16 (AVX-512 CPUs), else nothing
+    assert onednn_layout(pack_weight(weight[:40], padded=False))
     for size in (64, 45):  # whole row groups, and padded ones
         layer = torch.nn.Linear(40, size).bfloat16()
         assert pack_linear_layers(layer) == 1
@@ -121,7 +149,7 @@ def test_caddtree_kernels_0_turns_it_off(monkeypatch):
     try:
         assert not kernels.kernel_available()
         assert kernels.pack_rows(torch.randn(64, 40).bfloat16()) is None
-        assert pack_weight(torch.randn(64, 40).bfloat16()).dim() == 2  # oneDNN serves bfloat16
+        assert onednn_layout(pack_weight(torch.randn(64, 40).bfloat16()))  # not caddtree's
     finally:
         monkeypatch.delenv("CADDTREE_KERNELS")
         kernels.kernel_available.cache_clear()

@@ -181,7 +181,7 @@ def test_decoding_with_packed_weights_is_plain_decoding(dtype, runtime):
     caddtree's linear and attention kernels give a row the same bits alone or in a tree, and the
     compiled graphs round between ops as eager does, so a near-tie cannot flip between them."""
     if dtype is torch.bfloat16 and not kernel_available():
-        pytest.skip("bfloat16 identity needs caddtree's kernels (AVX512-BF16 and g++)")
+        pytest.skip("bfloat16 identity needs caddtree's kernels (AVX512-BF16 or AVX2, and g++)")
     gen = make_gen(dtype, runtime=runtime)
     assert gen.runtime == runtime and gen.packed_layers > 0
     gen.cost_model = ConvexCostModel(

@@ -369,9 +369,10 @@ class SpeculativeGenerator:
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
             # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the
-            # compiled runtime checks its guards only when the cache changes (cheaper calls). A
-            # model cached by an earlier profile is measured again once
-            "profiling": 3,
+            # compiled runtime checks its guards only when the cache changes (cheaper calls); 4:
+            # the drafter's pass runs on the lean arithmetic (a cheaper C_d). A model cached by
+            # an earlier profile is measured again once
+            "profiling": 4,
         }
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         path = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"

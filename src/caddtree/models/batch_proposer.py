@@ -15,7 +15,7 @@ decoding. In a pass of ``B`` sequences, sequence ``b``:
 
 The pass is the lean runtime's arithmetic (:mod:`caddtree.models.layers`), not the drafter
 module's forward: q/k/v and gate/up fused and packed once (caddtree's bfloat16 kernel on CPUs
-with AVX512-BF16, else oneDNN), RMSNorm in one call, rotary tables computed once, a static cache
+with AVX512-BF16 or AVX2, else oneDNN), RMSNorm in one call, rotary tables computed once, a static cache
 written by entry, and attention one call per sequence over its own slot (caddtree's attention
 kernel where the drafter runs in bfloat16 on such a CPU, else SDPA). The linear layers and norms
 run once over all sequences' rows. The weights are read when the proposer is made: make a new

@@ -11,7 +11,7 @@ runtime.
 
 Two graphs serve every call of one sequence (cache slot 0 of a one-slot cache) after the prompt:
 **one row** (plain decoding, and trees of the root alone) and **a tree of n >= 2 rows**. Where the
-target uses caddtree's attention kernel (bfloat16 on CPUs with AVX512-BF16,
+target uses caddtree's attention kernel (bfloat16 on CPUs with AVX512-BF16 or AVX2,
 :func:`~caddtree.models.kernels.tree_attention`), both attend with it; elsewhere one row attends
 without a mask, as products and sums that inductor fuses (:func:`_attend_one_row`, since for one
 query the flash kernel's fixed cost per call is most of its time), and a tree with the flash

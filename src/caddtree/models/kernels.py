@@ -1,6 +1,13 @@
-"""caddtree's own bfloat16 kernels for CPUs with AVX512-BF16 (C++ in ``csrc/``): a linear layer
-for a few rows (``linear_bf16.cpp``) and attention for a few rows over a cache
-(``attention_bf16.cpp``).
+"""caddtree's own bfloat16 kernels for the CPU (C++ in ``csrc/``): a linear layer for a few rows
+and attention for a few rows over a cache, in two builds of the same operators and weight layout:
+
+* ``avx512-bf16`` (``linear_bf16.cpp``, ``attention_bf16.cpp``), for CPUs with AVX512-BF16, whose
+  ``vdpbf16ps`` multiplies bfloat16 pairs directly;
+* ``avx2`` (``linear_avx2.cpp``, ``attention_avx2.cpp``), for CPUs with AVX2, FMA and F16C but no
+  AVX512-BF16 (most CPUs in use), which widen bfloat16 to float32 by a shift and use FMAs. There
+  torch's own bfloat16 linear has no packed oneDNN path and costs several times as much.
+
+:func:`kernel_variant` says which one this CPU takes.
 
 A decoding step or a tree verification multiplies a few rows by every weight of the model: the
 work is reading the weights once. oneDNN's packed linear (:mod:`caddtree.models.packing`) reads
@@ -11,8 +18,8 @@ their parallel loop; ``benchmarks/linear_kernel.py`` and ``benchmarks/vs_llamacp
 them.
 
 They are built together once per machine (about 20 s with the C++ compiler inductor also uses),
-cached as ``<cache root>/kernels/<key>/caddtree_kernels.so`` (the key covers the sources, the torch
-build and the compiler), loaded with ``torch.ops.load_library`` and checked on probes against
+cached as ``<cache root>/kernels/<key>/caddtree_kernels.so`` (the key covers the build's sources
+and flags, the torch build and the compiler), loaded with ``torch.ops.load_library`` and checked on probes against
 ``F.linear`` and SDPA before anything uses them. The linear kernel applies to bfloat16 weights on
 the CPU whose input size is even (:func:`pack_rows`), the attention kernel to head sizes that are
 multiples of 16 up to 256 (:func:`attention_fits`); everything else keeps oneDNN, ``F.linear`` and
@@ -32,6 +39,7 @@ import shutil
 import subprocess
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +53,7 @@ __all__ = [
     "cxx_compiler",
     "kernel_available",
     "kernel_in_use",
+    "kernel_variant",
     "pack_rows",
     "rows_linear",
     "source_digest",
@@ -56,16 +65,65 @@ logger = logging.getLogger(__name__)
 GROUP = 32
 """Output rows per group of the packed layout (``pack_rows``; the last group is padded)."""
 
-_ARCH_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 _BUILD_TIMEOUT_S = 600
 
 
-_SOURCES = ("ops.cpp", "linear_bf16.cpp", "attention_bf16.cpp")
+class _Variant(NamedTuple):
+    """One build of the kernels: its sources (the same operators and weight layout) and the
+    instruction sets it is compiled for."""
+
+    name: str
+    sources: tuple[str, ...]
+    flags: tuple[str, ...]
+
+
+_AVX512_BF16 = _Variant(
+    "avx512-bf16",
+    ("ops.cpp", "linear_op.h", "linear_bf16.cpp", "attention_bf16.cpp"),
+    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+)
+_AVX2 = _Variant(
+    "avx2",
+    ("ops.cpp", "linear_op.h", "linear_avx2.cpp", "attention_avx2.cpp"),
+    ("-mavx2", "-mfma", "-mf16c"),
+)
+
+
+@functools.cache
+def _variant() -> _Variant | None:
+    """The build this CPU runs: AVX512-BF16's where it has it, else AVX2's (with FMA and F16C,
+    which every AVX2 CPU of the last decade has), else none."""
+    if torch.cpu._is_avx512_bf16_supported():
+        return _AVX512_BF16
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _cpu_flags() >= {
+        "fma",
+        "f16c",
+    }:
+        return _AVX2
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def kernel_variant() -> str | None:
+    """Which build of the kernels this CPU takes (``"avx512-bf16"`` or ``"avx2"``), or ``None``."""
+    variant = _variant()
+    return None if variant is None else variant.name
 
 
 def _sources() -> dict[str, bytes]:
     folder = resources.files("caddtree.models").joinpath("csrc")
-    return {name: folder.joinpath(name).read_bytes() for name in _SOURCES}
+    variant = _variant() or _AVX512_BF16
+    return {name: folder.joinpath(name).read_bytes() for name in variant.sources}
 
 
 def cxx_compiler() -> str | None:
@@ -94,7 +152,7 @@ def _command(cxx: str, sources: list[Path], output: str) -> list[str]:
         "-shared",
         "-fPIC",
         "-fopenmp",
-        *_ARCH_FLAGS,
+        *(_variant() or _AVX512_BF16).flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in include_paths()),
         *map(str, sources),
@@ -108,19 +166,23 @@ def _command(cxx: str, sources: list[Path], output: str) -> list[str]:
     ]
 
 
-@functools.cache
 def source_digest() -> str:
-    """A digest of the kernels' sources (what their speed and numbers follow from)."""
+    """A digest of this CPU's build's sources (what its speed and numbers follow from)."""
     return hashlib.sha256(b"\0".join(_sources().values())).hexdigest()[:16]
+
+
+def _key(cxx: str) -> str:
+    """The build's cache key: its sources, flags, torch and compiler."""
+    flags = (_variant() or _AVX512_BF16).flags
+    parts = (source_digest(), torch.__version__, _compiler_version(cxx), *flags)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def _library(cxx: str) -> Path:
     """Where the kernels built from these sources, torch and compiler live (built now if
     missing)."""
     sources = _sources()
-    parts = (source_digest(), torch.__version__, _compiler_version(cxx), *_ARCH_FLAGS)
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / key / "caddtree_kernels.so"
+    path = cache_root() / "kernels" / _key(cxx) / "caddtree_kernels.so"
     if path.is_file():
         return path
     from filelock import FileLock
@@ -134,7 +196,8 @@ def _library(cxx: str) -> Path:
                 files.append(
                     atomic_write(path.parent / name, lambda tmp, t=text: Path(tmp).write_bytes(t))
                 )
-            atomic_write(path, lambda tmp: _compile(cxx, files, tmp))
+            units = [file for file in files if file.suffix == ".cpp"]  # headers are included
+            atomic_write(path, lambda tmp: _compile(cxx, units, tmp))
     return path
 
 
@@ -150,8 +213,8 @@ def _unavailable() -> str | None:
     """Why the kernels cannot be used here (``None``: they may be built)."""
     if os.environ.get("CADDTREE_KERNELS", "").strip().lower() in ("0", "off", "false", "no"):
         return "CADDTREE_KERNELS turns it off"
-    if not torch.cpu._is_avx512_bf16_supported():
-        return "this CPU has no AVX512-BF16"
+    if _variant() is None:
+        return "this CPU has neither AVX512-BF16 nor AVX2 with FMA and F16C"
     if cxx_compiler() is None:
         return "no C++ compiler was found (install g++ or set CXX)"
     return None

@@ -7,7 +7,7 @@ a one-token forward was that overhead. :class:`LeanTarget` runs the same arithme
 
 * **Weights, laid out once.** q/k/v are fused into one linear and gate/up into another; on the CPU
   each fused weight is packed (:func:`~caddtree.models.packing.pack_weight`: for caddtree's
-  bfloat16 kernel, :mod:`caddtree.models.kernels`, where the CPU has AVX512-BF16, else for
+  bfloat16 kernel, :mod:`caddtree.models.kernels`, where the CPU has AVX512-BF16 or AVX2, else for
   oneDNN) and only the packed copy is kept (as much memory as packing the model's own layers took). Where nothing
   is packed (CUDA, float64) the stacked q/k/v and gate/up weights are a second copy of the
   model's; o, down, the LM head and the embeddings are the model's own tensors.
@@ -279,7 +279,7 @@ class LeanTarget:
         embeddings = model.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
         self.pack = bool(pack) and packed_layers_fit(model)
-        # caddtree's attention kernel (bfloat16 on CPUs with AVX512-BF16), for all but prompts
+        # caddtree's attention kernel (bfloat16 on CPUs with AVX512-BF16 or AVX2), for all but prompts
         self.fused_attention = (
             self.device.type == "cpu"
             and kernel_in_use(self.dtype)

@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "linear_op.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -30,7 +32,7 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;    // output rows per group (two 16-lane halves)
+using caddtree_linear::kGroup;  // output rows per group (two 16-lane halves)
 constexpr int64_t kPrefetch = 16; // column pairs ahead to prefetch
 
 struct Problem {
@@ -95,38 +97,21 @@ inline void group(const Problem& p, int64_t g, int64_t M) {
   }
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
-                       const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "linear_bf16: bfloat16 input and weight expected");
-  TORCH_CHECK(w.dim() == 4 && w.size(2) == kGroup && w.size(3) == 2 && w.is_contiguous(),
-              "linear_bf16: the weight must be packed by caddtree.models.kernels.pack_rows");
-  const int64_t K = w.size(1) * 2, N = n < 0 ? w.size(0) * kGroup : n;
-  TORCH_CHECK(N <= w.size(0) * kGroup && N > (w.size(0) - 1) * kGroup,
-              "linear_bf16: ", N, " outputs do not fit a weight packed for ", w.size(0) * kGroup);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_bf16: input has ", x.size(-1),
-              " features, the weight takes ", K);
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0);
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "linear_bf16: bias has ", bias->numel(), " values, not ", N);
-    bias32 = bias->to(at::kFloat).contiguous();
+struct Kernel {
+  static at::Tensor input(const at::Tensor& rows) { return rows.contiguous(); }
+  static void run(const at::Tensor& input, const at::Tensor& w, const float* bias,
+                  c10::BFloat16* y, int64_t K, int64_t N) {
+    const Problem p{reinterpret_cast<const uint16_t*>(input.const_data_ptr()),
+                    reinterpret_cast<const uint16_t*>(w.const_data_ptr()), bias, y, K, N};
+    const int64_t M = input.size(0);
+    at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) group(p, g, M);
+    });
   }
-  at::Tensor y = at::empty({M, N}, rows.options());
-  const Problem p{reinterpret_cast<const uint16_t*>(rows.const_data_ptr()),
-                  reinterpret_cast<const uint16_t*>(w.const_data_ptr()),
-                  bias32.defined() ? bias32.const_data_ptr<float>() : nullptr,
-                  y.mutable_data_ptr<c10::BFloat16>(), K, N};
-  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) group(p, g, M);
-  });
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  return y.view(sizes);
-}
+};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(caddtree, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
+  m.impl("linear_bf16", &caddtree_linear::linear_op<Kernel>);
+}

@@ -1,0 +1,123 @@
+// caddtree::linear_bf16 for CPUs with AVX2 and FMA but no AVX512-BF16: y = x @ w.T (+ bias).
+//
+// The same operator and weight layout as linear_bf16.cpp (the AVX512-BF16 kernel, built instead
+// of this file where the CPU has it): output rows in groups of 32, each group stored as
+// [K/2][32][2], the pair of weights of every row for each pair of input columns. Without a bf16
+// dot-product instruction, one 256-bit load holds a column pair of 8 rows; shifting each dword
+// left by 16 bits gives the first column's weights in float32, clearing its low half the second's
+// (a bfloat16 is the upper half of a float32). Each is multiplied by the input row's broadcast
+// value of that column and added with an FMA, so every output accumulates in one float32 lane
+// with no horizontal sums, and the weights are read once, in order, per pass over a group.
+//
+// On such CPUs torch's own bfloat16 linear has no packed oneDNN path, and a few rows cost many
+// times one row; here the widening is shared by the rows of a pass (up to 3), the rest is FMAs.
+//
+// Every output adds, for each column pair in order, its first column's product and then its
+// second's, in one float32 lane, whatever the number of rows and however they are blocked or
+// split across threads: a row's result is the same bits alone or among others, so plain decoding
+// (one row) and tree verification (many) agree exactly.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "linear_op.h"
+
+#include <array>
+#include <cstdint>
+#include <utility>
+
+namespace {
+
+using caddtree_linear::kGroup;  // output rows per group (four 8-lane vectors)
+constexpr int64_t kPrefetch = 8;   // column pairs ahead to prefetch
+
+struct Problem {
+  const float* x;     // [M, K] the input widened to float32
+  const uint16_t* w;  // [groups, K / 2, 32, 2] bf16 bits (rows past N are padding)
+  const float* bias;  // [N] or null
+  c10::BFloat16* y;   // [M, N]
+  int64_t K, N;
+};
+
+// Rows m0 .. m0 + MB - 1 of the output, columns o0 .. o0 + 31 (one weight group).
+template <int MB>
+inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t o0) {
+  __m256 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  const float* xr[MB];
+  for (int i = 0; i < MB; ++i) xr[i] = p.x + (m0 + i) * p.K;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t pairs = p.K / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* wk = wg + kp * kGroup * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kGroup * 2), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kGroup * 2 + 32), _MM_HINT_T0);
+    __m256 first[4], second[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * j));
+      first[j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      second[j] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 x0 = _mm256_broadcast_ss(xr[i] + 2 * kp);
+      const __m256 x1 = _mm256_broadcast_ss(xr[i] + 2 * kp + 1);
+      for (int j = 0; j < 4; ++j) {
+        acc[i][j] = _mm256_fmadd_ps(first[j], x0, acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(second[j], x1, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    alignas(32) float out[kGroup];
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, acc[i][j]);
+    c10::BFloat16* yr = p.y + (m0 + i) * p.N + o0;
+    const int64_t valid = p.N - o0 < kGroup ? p.N - o0 : kGroup;
+    for (int64_t r = 0; r < valid; ++r) {
+      yr[r] = c10::BFloat16(p.bias ? out[r] + p.bias[o0 + r] : out[r]);
+    }
+  }
+}
+
+using GroupRows = void (*)(const Problem&, const uint16_t*, int64_t, int64_t);
+template <int... I>
+constexpr std::array<GroupRows, sizeof...(I)> group_rows_table(std::integer_sequence<int, I...>) {
+  return {&group_rows<I + 1>...};
+}
+constexpr int kMaxRows = 3;  // input rows per pass over a group: 12 accumulators of 16 registers
+constexpr auto kGroupRows = group_rows_table(std::make_integer_sequence<int, kMaxRows>{});
+
+// Every input row against one weight group, in passes of at most 3 rows, of balanced sizes.
+inline void group(const Problem& p, int64_t g, int64_t M) {
+  const uint16_t* wg = p.w + g * p.K * kGroup;
+  const int64_t o0 = g * kGroup;
+  const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
+  for (int64_t i = 0, m = 0; i < passes; ++i) {
+    const int64_t rows = (M - m) / (passes - i) + ((M - m) % (passes - i) != 0);
+    kGroupRows[rows - 1](p, wg, m, o0);
+    m += rows;
+  }
+}
+
+struct Kernel {
+  static at::Tensor input(const at::Tensor& rows) { return rows.to(at::kFloat).contiguous(); }
+  static void run(const at::Tensor& input, const at::Tensor& w, const float* bias,
+                  c10::BFloat16* y, int64_t K, int64_t N) {
+    const Problem p{input.const_data_ptr<float>(),
+                    reinterpret_cast<const uint16_t*>(w.const_data_ptr()), bias, y, K, N};
+    const int64_t M = input.size(0);
+    at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) group(p, g, M);
+    });
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
+  m.impl("linear_bf16", &caddtree_linear::linear_op<Kernel>);
+}
