@@ -35,13 +35,7 @@ namespace {
 using caddtree_linear::kGroup;  // output rows per group (four 8-lane vectors)
 constexpr int64_t kPrefetch = 8;   // column pairs ahead to prefetch
 
-struct Problem {
-  const float* x;     // [M, K] the input widened to float32
-  const uint16_t* w;  // [groups, K / 2, 32, 2] bf16 bits (rows past N are padding)
-  const float* bias;  // [N] or null
-  c10::BFloat16* y;   // [M, N]
-  int64_t K, N;
-};
+using Problem = caddtree_linear::Problem<float>;
 
 // Rows m0 .. m0 + MB - 1 of the output, columns o0 .. o0 + 31 (one weight group).
 template <int MB>
@@ -83,37 +77,17 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
   }
 }
 
-using GroupRows = void (*)(const Problem&, const uint16_t*, int64_t, int64_t);
 template <int... I>
-constexpr std::array<GroupRows, sizeof...(I)> group_rows_table(std::integer_sequence<int, I...>) {
+constexpr std::array<caddtree_linear::Pass<float>, sizeof...(I)> passes(
+    std::integer_sequence<int, I...>) {
   return {&group_rows<I + 1>...};
-}
-constexpr int kMaxRows = 3;  // input rows per pass over a group: 12 accumulators of 16 registers
-constexpr auto kGroupRows = group_rows_table(std::make_integer_sequence<int, kMaxRows>{});
-
-// Every input row against one weight group, in passes of at most 3 rows, of balanced sizes.
-inline void group(const Problem& p, int64_t g, int64_t M) {
-  const uint16_t* wg = p.w + g * p.K * kGroup;
-  const int64_t o0 = g * kGroup;
-  const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
-  for (int64_t i = 0, m = 0; i < passes; ++i) {
-    const int64_t rows = (M - m) / (passes - i) + ((M - m) % (passes - i) != 0);
-    kGroupRows[rows - 1](p, wg, m, o0);
-    m += rows;
-  }
 }
 
 struct Kernel {
+  using X = float;
   static at::Tensor input(const at::Tensor& rows) { return rows.to(at::kFloat).contiguous(); }
-  static void run(const at::Tensor& input, const at::Tensor& w, const float* bias,
-                  c10::BFloat16* y, int64_t K, int64_t N) {
-    const Problem p{input.const_data_ptr<float>(),
-                    reinterpret_cast<const uint16_t*>(w.const_data_ptr()), bias, y, K, N};
-    const int64_t M = input.size(0);
-    at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) group(p, g, M);
-    });
-  }
+  static constexpr int kMaxRows = 3;  // input rows per pass over a group: 12 accumulators of 16 registers
+  static constexpr auto kPasses = passes(std::make_integer_sequence<int, kMaxRows>{});
 };
 
 }  // namespace

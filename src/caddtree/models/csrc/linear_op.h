@@ -1,13 +1,17 @@
 // The operator caddtree::linear_bf16 around a kernel (linear_bf16.cpp, linear_avx2.cpp): checks
-// its inputs, lays the rows out as the kernel reads them, and shapes the output. A kernel is a
-// class with
-//   static at::Tensor input(const at::Tensor& rows);  // [M, K] bf16 -> what run reads
-//   static void run(const at::Tensor& input, const at::Tensor& w, const float* bias,
-//                   c10::BFloat16* y, int64_t K, int64_t N);  // y [M, N] = input @ w.T + bias
-// with w packed by caddtree.models.kernels.pack_rows: [groups, K / 2, 32, 2].
+// its inputs, lays the rows out as the kernel reads them, splits the weight groups across threads
+// and each group's rows into passes, and shapes the output. A kernel is a class with
+//   using X = ...;                                      // the input element its passes read
+//   static at::Tensor input(const at::Tensor& rows);    // [M, K] bf16 -> [M, K] of X
+//   static constexpr int kMaxRows = ...;                // input rows a pass takes at most
+//   static constexpr auto& kPasses = ...;               // kPasses[r - 1]: a pass of r rows
+// where a pass of r rows computes rows m0 .. m0 + r - 1 of the output against the weight group
+// at wg (outputs o0 .. o0 + 31). w is packed by caddtree.models.kernels.pack_rows:
+// [groups, K / 2, 32, 2].
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -19,6 +23,32 @@
 namespace caddtree_linear {
 
 constexpr int64_t kGroup = 32;  // output rows per group of the packed layout
+
+template <class X>
+struct Problem {
+  const X* x;         // [M, K] input rows
+  const uint16_t* w;  // [groups, K / 2, 32, 2] bf16 bits (rows past N are padding)
+  const float* bias;  // [N] or null
+  c10::BFloat16* y;   // [M, N]
+  int64_t K, N;
+};
+
+template <class X>
+using Pass = void (*)(const Problem<X>&, const uint16_t* wg, int64_t m0, int64_t o0);
+
+// Every input row against one weight group, in as few passes as kMaxRows rows a pass allow, of
+// balanced sizes (a pass of one or two rows over a group already in cache is bound by the
+// latency of its few accumulator chains, so a small remainder pass would cost a full one).
+template <class Kernel>
+inline void group(const Problem<typename Kernel::X>& p, int64_t g, int64_t M) {
+  const uint16_t* wg = p.w + g * p.K * kGroup;
+  const int64_t passes = (M + Kernel::kMaxRows - 1) / Kernel::kMaxRows;
+  for (int64_t i = 0, m = 0; i < passes; ++i) {
+    const int64_t rows = (M - m) / (passes - i) + ((M - m) % (passes - i) != 0);
+    Kernel::kPasses[rows - 1](p, wg, m, g * kGroup);
+    m += rows;
+  }
+}
 
 template <class Kernel>
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w,
@@ -41,9 +71,15 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w,
     bias32 = bias->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({M, N}, x.options());
+  const Problem<typename Kernel::X> p{
+      input.template const_data_ptr<typename Kernel::X>(),
+      reinterpret_cast<const uint16_t*>(w.const_data_ptr()),
+      bias32.defined() ? bias32.const_data_ptr<float>() : nullptr,
+      y.mutable_data_ptr<c10::BFloat16>(), K, N};
   if (M > 0) {
-    Kernel::run(input, w, bias32.defined() ? bias32.const_data_ptr<float>() : nullptr,
-                y.mutable_data_ptr<c10::BFloat16>(), K, N);
+    at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) group<Kernel>(p, g, M);
+    });
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
