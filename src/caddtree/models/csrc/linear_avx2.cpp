@@ -10,7 +10,10 @@
 // with no horizontal sums, and the weights are read once, in order, per pass over a group.
 //
 // On such CPUs torch's own bfloat16 linear has no packed oneDNN path, and a few rows cost many
-// times one row; here the widening is shared by the rows of a pass (up to 3), the rest is FMAs.
+// times one row; here the widening is shared by the rows of a pass, the rest is FMAs. A pass
+// takes 2 rows: its 8 accumulators, the rows' 4 broadcast inputs and one widened weight pair fit
+// the 16 registers (3 rows, or all 4 vectors of a column pair widened at once, spill to the stack
+// and ran 1.3-1.4 times slower at 8-16 rows).
 //
 // Every output adds, for each column pair in order, its first column's product and then its
 // second's, in one float32 lane, whatever the number of rows and however they are blocked or
@@ -51,18 +54,18 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
     const uint16_t* wk = wg + kp * kGroup * 2;
     _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kGroup * 2), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kGroup * 2 + 32), _MM_HINT_T0);
-    __m256 first[4], second[4];
+    __m256 x0[MB], x1[MB];
+    for (int i = 0; i < MB; ++i) {
+      x0[i] = _mm256_broadcast_ss(xr[i] + 2 * kp);
+      x1[i] = _mm256_broadcast_ss(xr[i] + 2 * kp + 1);
+    }
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * j));
-      first[j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-      second[j] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m256 x0 = _mm256_broadcast_ss(xr[i] + 2 * kp);
-      const __m256 x1 = _mm256_broadcast_ss(xr[i] + 2 * kp + 1);
-      for (int j = 0; j < 4; ++j) {
-        acc[i][j] = _mm256_fmadd_ps(first[j], x0, acc[i][j]);
-        acc[i][j] = _mm256_fmadd_ps(second[j], x1, acc[i][j]);
+      const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 second = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+      for (int i = 0; i < MB; ++i) {
+        acc[i][j] = _mm256_fmadd_ps(first, x0[i], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(second, x1[i], acc[i][j]);
       }
     }
   }
@@ -86,7 +89,7 @@ constexpr std::array<caddtree_linear::Pass<float>, sizeof...(I)> passes(
 struct Kernel {
   using X = float;
   static at::Tensor input(const at::Tensor& rows) { return rows.to(at::kFloat).contiguous(); }
-  static constexpr int kMaxRows = 3;  // input rows per pass over a group: 12 accumulators of 16 registers
+  static constexpr int kMaxRows = 2;  // rows per pass: 8 accumulators, 4 broadcasts, 2 weights
   static constexpr auto kPasses = passes(std::make_integer_sequence<int, kMaxRows>{});
 };
 
