@@ -124,7 +124,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def machine_description(device: torch.device) -> str:
-    """What the timings depend on: the accelerator, or the CPU model and thread count."""
+    """What the timings depend on: the accelerator, or the CPU model, its vector instructions
+    (torch's capability, and AVX512-BF16 where it has it: CPUs sold under one name differ, and
+    caddtree's kernels follow them) and the thread count."""
     import platform
 
     if device.type == "cuda":
@@ -137,7 +139,10 @@ def machine_description(device: torch.device) -> str:
             )
     except OSError:
         pass
-    return f"cpu:{cpu}:{os.cpu_count()} cores:{torch.get_num_threads()} threads"
+    isa = torch.backends.cpu.get_cpu_capability()
+    if torch.cpu._is_avx512_bf16_supported():
+        isa += "+BF16"
+    return f"cpu:{cpu}:{isa}:{os.cpu_count()} cores:{torch.get_num_threads()} threads"
 
 
 def weights_digest(model: torch.nn.Module) -> str:
