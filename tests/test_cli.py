@@ -573,10 +573,15 @@ def test_a_ctrl_c_that_a_library_swallows_still_stops_with_130(capsys):
             pass
         return 0
 
-    assert run_command(swallowing_command) == 130
-    assert capsys.readouterr().err.endswith("caddtree: interrupted\n")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert run_command(lambda: 0) == 0  # no interrupt: the command's own status
+    # a shell's background job starts with SIGINT ignored; give this test Python's own handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert run_command(swallowing_command) == 130
+        assert capsys.readouterr().err.endswith("caddtree: interrupted\n")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert run_command(lambda: 0) == 0  # no interrupt: the command's own status
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_ctrl_c_in_the_first_second_prints_no_traceback(tiny_pair_dirs):
@@ -590,6 +595,8 @@ def test_ctrl_c_in_the_first_second_prints_no_traceback(tiny_pair_dirs):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal, even where this suite runs as a background job (SIGINT ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # interrupt while torch is being imported (inside main, past Python's own start-up): wait
     # until its library is mapped, rather than a fixed time that a loaded machine outlasts
