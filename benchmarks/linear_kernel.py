@@ -1,4 +1,4 @@
-"""caddtree's bfloat16 linear kernel beside oneDNN's packed linear, on the built-in target's layers.
+"""caddtree's bfloat16 linear kernel beside torch's, on the built-in target's layers.
 
     python benchmarks/linear_kernel.py [--rows 1 2 4 8 16 32 64] [--repeats 15] [--threads 2]
 
@@ -6,7 +6,8 @@ A forward of the target runs its 120 fused linear layers (q/k/v, o, gate/up and 
 the 30 decoder layers, as the lean runtime fuses them) and the LM head on a few rows; their
 weights (269 MB in bfloat16) do not fit in the CPU's caches, so each call reads its weight from
 memory, as here: the script runs all 121 calls in layer order, through caddtree's kernel
-(:mod:`caddtree.models.kernels`) and through oneDNN (:mod:`caddtree.models.packing`), the two
+(:mod:`caddtree.models.kernels`) and through torch's fastest bfloat16 linear there (oneDNN's
+packed one, :mod:`caddtree.models.packing`, where oneDNN packs bfloat16; else ``F.linear``), the two
 alternating and taking turns going first, after a warm-up of each. It prints, per row count, the
 median milliseconds of the 121 calls for each, their ratio (below 1: the kernel is faster) and
 the bandwidth the kernel reached, and checks that both compute the same products (within
@@ -18,12 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from caddtree.api import SpeculativeGenerator
 from caddtree.models import kernels
-from caddtree.models.packing import _pack
+from caddtree.models.packing import _kernel_packs, _pack
 from caddtree.util.defaults import resolve_model_pair
 from caddtree.util.devices import machine_description
 
@@ -48,10 +50,22 @@ def target_weights() -> list[torch.Tensor]:
     return out
 
 
-def check(weight: torch.Tensor, ours: torch.Tensor, onednn: torch.Tensor) -> None:
+def baseline(weights: list[torch.Tensor]) -> tuple[str, list[torch.Tensor], Callable]:
+    """torch's fastest bfloat16 linear here: oneDNN's packed one where it packs bfloat16 (CPUs
+    with AVX-512), else ``F.linear`` on the plain weight (what a packed layer falls back to)."""
+    if _kernel_packs(weights[0]):
+        return "oneDNN", [_pack(w) for w in weights], _onednn_linear
+    return "F.linear", weights, torch.nn.functional.linear
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def check(weight: torch.Tensor, ours: torch.Tensor, theirs_weight: torch.Tensor, linear) -> None:
     x = torch.randn(9, weight.shape[1]).bfloat16()
     mine = kernels.rows_linear(x, ours)
-    theirs = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+    theirs = linear(x, theirs_weight)
     exact = torch.nn.functional.linear(x.double(), weight.double())
     scale = exact.abs().clamp(min=1.0)
     assert ((mine.double() - exact).abs() / scale).max() < 1e-2
@@ -83,14 +97,15 @@ def main() -> None:
         raise SystemExit("caddtree's bfloat16 kernel is not available here (see the log above)")
     weights = target_weights()
     ours = [kernels.pack_rows(w) for w in weights]
-    onednn = [_pack(w) for w in weights]
-    check(weights[0], ours[0], onednn[0])
+    name, theirs, linear = baseline(weights)
+    check(weights[0], ours[0], theirs[0], linear)
     total = sum(w.numel() * w.element_size() for w in weights)
     print(
         f"{machine_description(torch.device('cpu'))}, torch {torch.__version__}, "
         f"{args.threads} threads; {len(weights)} linear calls, {total / 1e6:.0f} MB of weights"
     )
-    print(f"{'rows':>4}  {'oneDNN ms':>9}  {'kernel ms':>9}  {'ratio':>6}  {'kernel GB/s':>11}")
+    print(f"{kernels.kernel_variant()} kernel beside torch's {name}")
+    print(f"{'rows':>4}  {'torch ms':>9}  {'kernel ms':>9}  {'ratio':>6}  {'kernel GB/s':>11}")
     for rows in args.rows:
         xs = [torch.randn(rows, w.shape[1]).bfloat16() for w in weights]
 
@@ -98,14 +113,14 @@ def main() -> None:
             for x, w in zip(xs, ours):
                 kernels.rows_linear(x, w)
 
-        def run_onednn(xs=xs) -> None:
-            for x, w in zip(xs, onednn):
-                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        def run_torch(xs=xs) -> None:
+            for x, w in zip(xs, theirs):
+                linear(x, w)
 
-        med = timed([("onednn", run_onednn), ("kernel", run_ours)], args.repeats)
+        med = timed([("torch", run_torch), ("kernel", run_ours)], args.repeats)
         print(
-            f"{rows:>4}  {med['onednn'] * 1e3:>9.2f}  {med['kernel'] * 1e3:>9.2f}  "
-            f"{med['kernel'] / med['onednn']:>6.3f}  {total / med['kernel'] / 1e9:>11.1f}"
+            f"{rows:>4}  {med['torch'] * 1e3:>9.2f}  {med['kernel'] * 1e3:>9.2f}  "
+            f"{med['kernel'] / med['torch']:>6.3f}  {total / med['kernel'] / 1e9:>11.1f}"
         )
 
 
