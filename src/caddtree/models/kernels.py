@@ -55,6 +55,7 @@ __all__ = [
     "kernel_in_use",
     "kernel_variant",
     "pack_rows",
+    "rows_apply",
     "rows_linear",
     "source_digest",
     "tree_attention",
@@ -298,15 +299,22 @@ def kernel_in_use(dtype: torch.dtype) -> bool:
     return dtype is torch.bfloat16 and kernel_available()
 
 
+def rows_apply(weight: torch.Tensor, *, check: bool = True) -> bool:
+    """Whether :func:`pack_rows` lays ``weight`` out: bfloat16 [N, K] on the CPU, N > 0 and K
+    even, and (``check``) the kernel available."""
+    if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    n, k = weight.shape
+    return not (k % 2 or n == 0 or (check and not kernel_available()))
+
+
 def pack_rows(weight: torch.Tensor, *, check: bool = True) -> torch.Tensor | None:
     """``weight`` [N, K] laid out for the kernel, [ceil(N/32), K/2, 32, 2] (a copy, the last
     group padded with zero rows), or ``None`` where the kernel does not apply: not bfloat16 on
     the CPU, K odd, or the kernel unavailable (``check``)."""
-    if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    if not rows_apply(weight, check=check):
         return None
     n, k = weight.shape
-    if k % 2 or n == 0 or (check and not kernel_available()):
-        return None
     groups = -(-n // GROUP)
     with torch.no_grad():
         padded = weight.detach()

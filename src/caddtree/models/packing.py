@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import GROUP, kernel_in_use, pack_rows, rows_linear
+from .kernels import GROUP, pack_rows, rows_apply, rows_linear
 
 __all__ = [
     "available_memory",
@@ -105,17 +105,6 @@ def _kernels_work(dtype: torch.dtype) -> bool:
 _WORKS: dict[torch.dtype, bool] = {}
 
 
-def _pack_rows_applies(weight: torch.Tensor) -> bool:
-    """Whether caddtree's own kernel takes ``weight`` (bfloat16 on a CPU it runs on, an even
-    input size)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.shape[1] % 2 == 0
-        and kernel_in_use(weight.dtype)
-    )
-
-
 def _kernel_packs(weight: torch.Tensor) -> bool:
     """Whether this build's packed kernel serves ``weight``: on the CPU, in a packable dtype, and
     checked against ``F.linear`` on a probe (once per dtype)."""
@@ -183,7 +172,7 @@ def _packable(layer: nn.Module) -> bool:
         return False
     if layer.bias is not None and layer.bias.dtype is not weight.dtype:
         return False
-    return _pack_rows_applies(weight) or _kernel_packs(weight)
+    return rows_apply(weight) or _kernel_packs(weight)
 
 
 def _linear_layers(modules: Iterable[nn.Module | None]) -> list[nn.Linear]:
