@@ -5,6 +5,7 @@
                                      [--rows 1 4 8 16]
                                      [--threads 2] [--bench-reps 5] [--runtime NAME ...]
                                      [--batched] [--json PATH]
+                                     [--datasets humaneval gsm8k mt-bench [--max-samples 20]]
 
 llama.cpp: the binaries in ``$LLAMA_CPP_DIR`` (its ``build/bin``, ``bin`` or itself: llama-bench,
 llama-quantize, llama-batched-bench); without it, llama.cpp is built once (cmake and a C++
@@ -36,6 +37,13 @@ caddtree / llama.cpp (below 1: caddtree is faster). Rows:
   tokens after DEPTH cached ones (causal; logits of the last row only). caddtree: the target's
   ``verifier.verify(bonus, tree of n - 1 nodes)`` and ``commit([])`` after a DEPTH-token prefill
   (tree mask; logits of every row, and the drafter's feature layers).
+
+``--datasets NAME ...`` decodes, instead of the chat prompts, the first turn of the first
+``--max-samples`` prompts of each benchmark (``caddtree bench``'s prompts, so the report's), and
+runs llama-bench's token generation at every prompt's own depth (to 16 tokens, one sample per
+round). Besides the table (pooled over all prompts, llama.cpp at their mean depth), it prints
+each method's per-prompt ratio caddtree / llama.cpp (median over rounds), as medians per benchmark
+and over all prompts: the figure "as the median over the report's prompts".
 
 ``--batched`` adds ``llama-batched-bench -c 4096 -npp 128 -ntg 64 -npl 1,2,4,8``: llama.cpp's
 aggregate decoding tok/s over 1, 2, 4 and 8 sequences (caddtree decodes one sequence at a time).
@@ -273,8 +281,10 @@ def llama_round(bins: Path, gguf: Path, args: argparse.Namespace) -> dict[str, A
     """One round of llama.cpp measurements, raw records included."""
     depth = str(args.depth)
     new, at = args.max_new_tokens, args.decode_depth
-    tg = llama_bench(bins, gguf, args, "-p", "0", "-n", str(new), "-d", str(at))
-    rows = ",".join(map(str, args.rows))
+    depths = sorted({at, *args.prompt_depths})
+    reps = ("-r", "1") if args.datasets else ()  # many depths: the rounds give the medians
+    tg = llama_bench(bins, gguf, args, "-p", "0", "-n", str(new), "-d", _csv(depths), *reps)
+    rows = _csv(args.rows)
     batches = llama_bench(bins, gguf, args, "-p", rows, "-n", "0", "-d", depth)
     (tg_record,) = [r for r in tg if r["n_gen"] == new and r["n_depth"] == at]
     forward = {
@@ -282,10 +292,17 @@ def llama_round(bins: Path, gguf: Path, args: argparse.Namespace) -> dict[str, A
         for r in batches
         if r["n_gen"] == 0 and r["n_depth"] == args.depth
     }
+    by_depth = {r["n_depth"]: per_record_ms(r) for r in tg if r["n_gen"] == new}
     out = {"ar_ms": per_record_ms(tg_record), "forward_ms": forward, "raw": tg + batches}
+    if args.datasets:
+        out["tg_ms_by_depth"] = by_depth
     if args.batched:
         out["batched"] = llama_batched(bins, gguf, args)
     return out
+
+
+def _csv(values: Any) -> str:
+    return ",".join(map(str, values))
 
 
 def llama_batched(
@@ -329,6 +346,25 @@ def chat(gen: SpeculativeGenerator, prompt: str, context: int) -> list[dict[str,
             return full
         system += FILLER[k % len(FILLER)]
     raise ValueError(f"--context {context} is out of reach")
+
+
+def dataset_chats(args: argparse.Namespace) -> tuple[list, list[str]]:
+    """``--datasets`` mode: the first turn of the first ``--max-samples`` prompts of each
+    benchmark, as chat messages, and each one's benchmark name."""
+    from caddtree.bench.datasets import load_benchmark
+
+    chats, labels = [], []
+    for name in args.datasets:
+        for item in load_benchmark(name, args.max_samples):
+            chats.append([{"role": "user", "content": item.turns[0]}])
+            labels.append(name)
+    return chats, labels
+
+
+def bucket(depth: int) -> int:
+    """A prompt's depth for llama-bench, to 16 tokens (one llama-bench test per bucket: a
+    decoding step's cost changes by about 1% per 100 tokens of context)."""
+    return 16 * round(depth / 16)
 
 
 def prompt_depth(gen: SpeculativeGenerator, args: argparse.Namespace) -> int:
@@ -514,6 +550,39 @@ def print_batched(rounds: list[dict]) -> None:
             print(f"  {npl} sequence{'s' if npl > 1 else ''}: {statistics.median(speeds):.1f}")
 
 
+def per_prompt_ratios(rounds: list[dict], args: argparse.Namespace, names: list[str]) -> dict:
+    """``--datasets`` mode: for each runtime and method, every prompt's decoding ms/token over
+    llama.cpp's at the prompt's depth (median over rounds), and the median of those ratios per
+    benchmark and over all prompts."""
+    out: dict[str, Any] = {}
+    for name in names:
+        for method in ("ar", "caddtree"):
+            ratios = []
+            for i, depth in enumerate(args.prompt_depths):
+                per_round = []
+                for rnd in rounds:
+                    run = rnd[name]["raw"][method][i]
+                    ms = 1e3 * (run["wall_s"] - run["prefill_s"]) / max(run["new_tokens"] - 1, 1)
+                    per_round.append(ms / rnd["llama.cpp"]["tg_ms_by_depth"][depth])
+                ratios.append(statistics.median(per_round))
+            medians = {
+                label: statistics.median(r for r, lab in zip(ratios, args.labels) if lab == label)
+                for label in dict.fromkeys(args.labels)
+            }
+            medians["all"] = statistics.median(ratios)
+            out[f"{name}/{method}"] = {"ratios": ratios, "medians": medians}
+    return out
+
+
+def print_per_prompt(per_prompt: dict, names: list[str]) -> None:
+    labels = list(next(iter(per_prompt.values()))["medians"])
+    print("\n  per prompt, decoding ms/token over llama.cpp's at the prompt's depth (median):")
+    print(f"  {'':<24}" + "".join(f" {label:>10}" for label in labels))
+    for key, value in per_prompt.items():
+        cells = "".join(f" {value['medians'][label]:>10.3f}" for label in labels)
+        print(f"  {key:<24}{cells}")
+
+
 def describe_machine(
     gens: dict[str, SpeculativeGenerator], llama_info: dict, rounds: list[dict]
 ) -> str:
@@ -556,11 +625,21 @@ def parse_args() -> argparse.Namespace:
         default=[None],
         help="runtime= for SpeculativeGenerator.from_pretrained; several: side by side",
     )
+    parser.add_argument(
+        "--datasets",
+        nargs="+",
+        metavar="NAME",
+        help="decode the first turn of these benchmarks' prompts (caddtree bench's names) "
+        "instead of the chat prompts, each beside llama.cpp at its own depth",
+    )
+    parser.add_argument("--max-samples", type=int, default=20, help="prompts per --datasets")
     parser.add_argument("--batched", action="store_true", help="also run llama-batched-bench")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every figure here")
     args = parser.parse_args()
     if not 0 <= args.prompts < len(PROMPTS):
         parser.error(f"--prompts takes 0 to {len(PROMPTS) - 1}")
+    if args.datasets and (args.prompts or args.context):
+        parser.error("--datasets decodes the benchmarks' prompts: drop --prompts and --context")
     return args
 
 
@@ -621,8 +700,14 @@ def main() -> None:
         gen = load_caddtree(args, runtime)
         gens[gen.runtime] = gen
     names = list(gens)
-    args.chats = [chat(gen, prompt, args.context) for prompt in PROMPTS[: 1 + args.prompts]]
+    if args.datasets:
+        args.chats, args.labels = dataset_chats(args)
+    else:
+        args.chats = [chat(gen, prompt, args.context) for prompt in PROMPTS[: 1 + args.prompts]]
+        args.labels = []
     args.decode_depth = prompt_depth(gen, args)
+    lengths = [len(chat_template_ids(gen.tokenizer, messages)) for messages in args.chats]
+    args.prompt_depths = [bucket(n) for n in lengths] if args.datasets else []
     llama_warmup(bins, gguf, args)
     for gen in gens.values():
         caddtree_warmup(gen, args)
@@ -630,12 +715,16 @@ def main() -> None:
     machine = describe_machine(gens, llama_info, rounds)
     rows = summary(rounds, args, names)
     print_table(rows, machine, rounds, args, names)
+    if args.datasets:
+        print_per_prompt(per_prompt_ratios(rounds, args, names), names)
     if args.batched:
         print_batched(rounds)
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         llama = {**llama_info, "binaries": str(bins), "gguf": str(gguf)}
         extra = {"settings": settings, "llama_cpp": llama}
+        if args.datasets:
+            extra["per_prompt"] = per_prompt_ratios(rounds, args, names)
         write_json(args.json, machine, rows, rounds, names, extra)
 
 

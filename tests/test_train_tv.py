@@ -318,6 +318,36 @@ def test_the_feature_cache_keeps_the_targets_rows(target, data, tmp_path, monkey
     assert computed[-1] == ("plain", 2) and feature_module.load_targets(path) is None
 
 
+def test_an_interrupted_feature_pass_resumes_after_its_last_saved_part(
+    target, data, tmp_path, monkeypatch
+):
+    """The cache is saved after every part of PART_SAMPLES samples: a pass stopped in its third
+    part keeps the first two, and the next call computes only the rest, to the same result."""
+    monkeypatch.setattr(feature_module, "PART_SAMPLES", 16)
+    real = feature_module.compute_features_and_targets
+    calls = []
+
+    def failing_third(target, d, layer_ids, topk, **kw):
+        calls.append(len(d.sequences))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(target, d, layer_ids, topk, **kw)
+
+    monkeypatch.setattr(feature_module, "compute_features_and_targets", failing_third)
+    path = tmp_path / "features.safetensors"
+    spec = TopKSpec.make(8, DRAFT_IDS, VOCAB)
+    with pytest.raises(KeyboardInterrupt):
+        feature_module.cached_pass(target, data, LAYERS, path, False, spec)
+    assert calls == [16, 16, 8] and len(feature_module.load_features(path)) == 32
+    feats, rows = feature_module.cached_pass(target, data, LAYERS, path, False, spec)
+    assert calls == [16, 16, 8, 8]  # only the last 8 samples again
+    fresh_feats, fresh = real(target, data, LAYERS, spec, progress=False)
+    assert len(feats) == 40 and rows.counts == fresh.counts
+    for got, want in zip(feats, fresh_feats):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    assert torch.equal(rows.rows["ids"], fresh.rows["ids"])
+
+
 def test_resume_with_the_l1_loss_is_identical_and_checks_its_settings(target, data, tmp_path):
     cfg = dict(steps=10, save_every=4, eval_every=5, ce_weight=0.1, l1_weight=0.9)
     train_drafter(target, data, tmp_path / "straight", config(**cfg), resume=False, progress=False)

@@ -10,10 +10,11 @@
 // with no horizontal sums, and the weights are read once, in order, per pass over a group.
 //
 // On such CPUs torch's own bfloat16 linear has no packed oneDNN path, and a few rows cost many
-// times one row; here the widening is shared by the rows of a pass, the rest is FMAs. A pass
-// takes 2 rows: its 8 accumulators, the rows' 4 broadcast inputs and one widened weight pair fit
-// the 16 registers (3 rows, or all 4 vectors of a column pair widened at once, spill to the stack
-// and ran 1.3-1.4 times slower at 8-16 rows).
+// times one row; here the widening is shared by the rows of a pass, the rest is FMAs. One or two
+// rows take one pass over the whole group (group_rows: its 8 accumulators, the rows' 4 broadcast
+// inputs and one widened weight pair fit the 16 registers; 3 rows, or all 4 vectors of a column
+// pair widened at once, spilled to the stack and ran 1.3-1.4 times slower at 8-16 rows). More
+// rows take passes of up to 5 rows over each half of the group (half_rows).
 //
 // Every output adds, for each column pair in order, its first column's product and then its
 // second's, in one float32 lane, whatever the number of rows and however they are blocked or
@@ -80,17 +81,119 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
   }
 }
 
-template <int... I>
-constexpr std::array<caddtree_linear::Pass<float>, sizeof...(I)> passes(
-    std::integer_sequence<int, I...>) {
-  return {&group_rows<I + 1>...};
+// Rows m0 .. m0 + MB - 1 of the output, the 16 columns of vectors J0 and J0 + 1 of the group
+// at o0 (half a group: one 64-byte line of every column pair). Each column pair is widened in
+// two phases that read the weights again from cache (the load folds into the shift or the
+// mask), so beside the 2 * MB accumulators only two widened vectors, one broadcast and the mask
+// are live: a pass takes up to 5 rows without spilling, the widening is shared by 5 rows instead
+// of 2, and 10 accumulator chains hide the FMA latency. Each output lane adds the same products
+// in the same order as in group_rows.
+//
+// The accumulators are named variables, one pair per row (CADDTREE_ROWS expands a step for rows
+// 0 .. 4, and rows past MB compile to nothing): GCC 12 kept an array of them in memory, storing
+// every accumulator to the stack in every iteration, which made these passes no faster than
+// group_rows'. 6 rows spill even so.
+#define CADDTREE_ROWS(STEP) STEP(0) STEP(1) STEP(2) STEP(3) STEP(4)
+
+template <int MB, int J0>
+inline void half_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t o0) {
+  static_assert(MB >= 1 && MB <= 5, "a half-group pass takes 1 to 5 rows");
+#define CADDTREE_DECLARE(i)                                                 \
+  __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();     \
+  const float* x##i = p.x + (m0 + (i < MB ? i : 0)) * p.K;
+  CADDTREE_ROWS(CADDTREE_DECLARE)
+#undef CADDTREE_DECLARE
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t pairs = p.K / 2;
+  // The first pass over this half also brings the same half of the next group into L2, a line
+  // per column pair: its arithmetic then hides the next group's reads from memory, which a
+  // pass from cache would otherwise wait for after this group's passes.
+  const uint16_t* ahead = m0 == 0 && o0 + kGroup < p.N ? wg + p.K * kGroup + 16 * J0 : nullptr;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* wk = wg + kp * kGroup * 2 + 16 * J0;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kGroup * 2), _MM_HINT_T0);
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + kp * kGroup * 2), _MM_HINT_T1);
+    const __m256i* w = reinterpret_cast<const __m256i*>(wk);
+    __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w), 16));
+    __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w + 1), 16));
+#define CADDTREE_FMA(i, column)                                        \
+  if constexpr (i < MB) {                                              \
+    const __m256 v = _mm256_broadcast_ss(x##i + 2 * kp + column);      \
+    c##i##a = _mm256_fmadd_ps(a, v, c##i##a);                          \
+    c##i##b = _mm256_fmadd_ps(b, v, c##i##b);                          \
+  }
+#define CADDTREE_FIRST(i) CADDTREE_FMA(i, 0)
+#define CADDTREE_SECOND(i) CADDTREE_FMA(i, 1)
+    CADDTREE_ROWS(CADDTREE_FIRST)
+    a = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w), high));
+    b = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w + 1), high));
+    CADDTREE_ROWS(CADDTREE_SECOND)
+#undef CADDTREE_SECOND
+#undef CADDTREE_FIRST
+#undef CADDTREE_FMA
+  }
+  const int64_t first = o0 + 8 * J0;
+  const int64_t valid = p.N - first < 16 ? p.N - first : 16;
+  alignas(32) float out[16];
+  auto store = [&](int64_t row, __m256 lo, __m256 hi) {
+    _mm256_store_ps(out, lo);
+    _mm256_store_ps(out + 8, hi);
+    c10::BFloat16* yr = p.y + row * p.N + first;
+    for (int64_t r = 0; r < valid; ++r) {
+      yr[r] = c10::BFloat16(p.bias ? out[r] + p.bias[first + r] : out[r]);
+    }
+  };
+#define CADDTREE_STORE(i) \
+  if constexpr (i < MB) store(m0 + i, c##i##a, c##i##b);
+  CADDTREE_ROWS(CADDTREE_STORE)
+#undef CADDTREE_STORE
 }
+#undef CADDTREE_ROWS
+
+template <int MB>
+struct Whole {
+  static void run(const Problem& p, const uint16_t* wg, int64_t m0, int64_t o0) {
+    group_rows<MB>(p, wg, m0, o0);
+  }
+};
+
+template <int MB>
+struct Low {
+  static void run(const Problem& p, const uint16_t* wg, int64_t m0, int64_t o0) {
+    half_rows<MB, 0>(p, wg, m0, o0);
+  }
+};
+
+template <int MB>
+struct High {
+  static void run(const Problem& p, const uint16_t* wg, int64_t m0, int64_t o0) {
+    half_rows<MB, 2>(p, wg, m0, o0);
+  }
+};
 
 struct Kernel {
   using X = float;
   static at::Tensor input(const at::Tensor& rows) { return rows.to(at::kFloat).contiguous(); }
-  static constexpr int kMaxRows = 2;  // rows per pass: 8 accumulators, 4 broadcasts, 2 weights
-  static constexpr auto kPasses = passes(std::make_integer_sequence<int, kMaxRows>{});
+  // rows per pass over a whole group (8 accumulators, 4 broadcasts, 2 weights) and over half a
+  // group (10 accumulators, 2 weights, 1 broadcast, the mask)
+  static constexpr int kWholeRows = 2, kHalfRows = 5;
+  static constexpr auto kWhole = caddtree_linear::pass_table<X, Whole>(
+      std::make_integer_sequence<int, kWholeRows>{});
+  static constexpr auto kLow = caddtree_linear::pass_table<X, Low>(
+      std::make_integer_sequence<int, kHalfRows>{});
+  static constexpr auto kHigh = caddtree_linear::pass_table<X, High>(
+      std::make_integer_sequence<int, kHalfRows>{});
+  // One or two rows are bound by reading the weights from memory: one pass over the whole
+  // group reads each line once, in order. More rows are bound by arithmetic: each half of the
+  // group takes its passes of up to 5 rows, its lines staying in cache between them.
+  static void group(const Problem& p, const uint16_t* wg, int64_t M, int64_t o0) {
+    if (M <= kWholeRows) {
+      kWhole[M - 1](p, wg, 0, o0);
+      return;
+    }
+    caddtree_linear::balanced_passes(kLow, p, wg, M, o0);
+    caddtree_linear::balanced_passes(kHigh, p, wg, M, o0);
+  }
 };
 
 }  // namespace

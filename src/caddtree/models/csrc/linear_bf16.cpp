@@ -69,17 +69,22 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
   }
 }
 
-template <int... I>
-constexpr std::array<caddtree_linear::Pass<c10::BFloat16>, sizeof...(I)> passes(
-    std::integer_sequence<int, I...>) {
-  return {&group_rows<I + 1>...};
-}
+template <int MB>
+struct Rows {
+  static void run(const Problem& p, const uint16_t* wg, int64_t m0, int64_t o0) {
+    group_rows<MB>(p, wg, m0, o0);
+  }
+};
 
 struct Kernel {
   using X = c10::BFloat16;
   static at::Tensor input(const at::Tensor& rows) { return rows.contiguous(); }
   static constexpr int kMaxRows = 12;  // input rows per pass over a group: 24 accumulators
-  static constexpr auto kPasses = passes(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto kPasses = caddtree_linear::pass_table<X, Rows>(
+      std::make_integer_sequence<int, kMaxRows>{});
+  static void group(const Problem& p, const uint16_t* wg, int64_t M, int64_t o0) {
+    caddtree_linear::balanced_passes(kPasses, p, wg, M, o0);
+  }
 };
 
 }  // namespace

@@ -3,11 +3,10 @@
 // and each group's rows into passes, and shapes the output. A kernel is a class with
 //   using X = ...;                                      // the input element its passes read
 //   static at::Tensor input(const at::Tensor& rows);    // [M, K] bf16 -> [M, K] of X
-//   static constexpr int kMaxRows = ...;                // input rows a pass takes at most
-//   static constexpr auto& kPasses = ...;               // kPasses[r - 1]: a pass of r rows
-// where a pass of r rows computes rows m0 .. m0 + r - 1 of the output against the weight group
-// at wg (outputs o0 .. o0 + 31). w is packed by caddtree.models.kernels.pack_rows:
-// [groups, K / 2, 32, 2].
+//   static void group(const Problem<X>& p, const uint16_t* wg, int64_t M, int64_t o0);
+// where group computes all M rows of the output against the weight group at wg (outputs
+// o0 .. o0 + 31), usually in passes over it (balanced_passes). w is packed by
+// caddtree.models.kernels.pack_rows: [groups, K / 2, 32, 2].
 
 #pragma once
 
@@ -16,8 +15,10 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace caddtree_linear {
@@ -36,18 +37,25 @@ struct Problem {
 template <class X>
 using Pass = void (*)(const Problem<X>&, const uint16_t* wg, int64_t m0, int64_t o0);
 
-// Every input row against one weight group, in as few passes as kMaxRows rows a pass allow, of
-// balanced sizes (a pass of one or two rows over a group already in cache is bound by the
-// latency of its few accumulator chains, so a small remainder pass would cost a full one).
-template <class Kernel>
-inline void group(const Problem<typename Kernel::X>& p, int64_t g, int64_t M) {
-  const uint16_t* wg = p.w + g * p.K * kGroup;
-  const int64_t passes = (M + Kernel::kMaxRows - 1) / Kernel::kMaxRows;
-  for (int64_t i = 0, m = 0; i < passes; ++i) {
-    const int64_t rows = (M - m) / (passes - i) + ((M - m) % (passes - i) != 0);
-    Kernel::kPasses[rows - 1](p, wg, m, g * kGroup);
+// Rows 0 .. M - 1 against one weight group, in as few passes of at most N rows (passes[r - 1]
+// takes r) as there can be, of balanced sizes (a pass of one or two rows over a group already in
+// cache is bound by the latency of its few accumulator chains, so a small remainder pass would
+// cost a full one).
+template <class X, size_t N>
+inline void balanced_passes(const std::array<Pass<X>, N>& passes, const Problem<X>& p,
+                            const uint16_t* wg, int64_t M, int64_t o0) {
+  const int64_t count = (M + static_cast<int64_t>(N) - 1) / static_cast<int64_t>(N);
+  for (int64_t i = 0, m = 0; i < count; ++i) {
+    const int64_t rows = (M - m) / (count - i) + ((M - m) % (count - i) != 0);
+    passes[rows - 1](p, wg, m, o0);
     m += rows;
   }
+}
+
+// The passes of Fn<1> .. Fn<N> as an array indexed by rows - 1.
+template <class X, template <int> class Fn, int... I>
+constexpr std::array<Pass<X>, sizeof...(I)> pass_table(std::integer_sequence<int, I...>) {
+  return {&Fn<I + 1>::run...};
 }
 
 template <class Kernel>
@@ -78,7 +86,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w,
       y.mutable_data_ptr<c10::BFloat16>(), K, N};
   if (M > 0) {
     at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) group<Kernel>(p, g, M);
+      for (int64_t g = begin; g < end; ++g) Kernel::group(p, p.w + g * p.K * kGroup, M, g * kGroup);
     });
   }
   std::vector<int64_t> sizes = x.sizes().vec();
