@@ -425,7 +425,7 @@ def test_summary_table_speedups_are_against_the_faster_ar(bench_run):
     text = summary_table(recs)
     assert "speed-up vs fastest AR" in text
     rows = {
-        cells[1]: cells[2:5]
+        cells[1]: cells[2:4] + cells[5:6]  # cells[4]: decode ms/tok, from the records' times
         for line in text.splitlines()
         if (cells := [c.strip() for c in line.strip().strip("|").split("|")])[0] == "tiny"
     }
@@ -435,6 +435,23 @@ def test_summary_table_speedups_are_against_the_faster_ar(bench_run):
         "dflash": ["5.00", "5.00", "1.60×"],
         "caddtree": ["**4.00**", "4.00", "2.00×"],
     }
+
+
+def test_decode_time_leaves_out_each_turns_prefill(bench_run):
+    """decode ms/tok: the time after each turn's first token over the tokens after the first
+    (what llama-bench's token generation times), median over prompts."""
+    from caddtree.bench.summary import _decode_ms, aggregate
+
+    recs = [
+        r | {"wall_s": 1.0 + i, "prefill_s": 0.2 + i, "new_tokens": 9, "turns": 1}
+        for i, r in enumerate(r for r in read_records(bench_run) if r["method"] == "ar")
+    ]
+    recs += [recs[0] | {"prompt_index": 99, "wall_s": 1.0, "prefill_s": 0.5, "turns": 2}]
+    (summary,) = aggregate(recs).summaries.values()
+    # 0.8 s over 8 tokens for each single-turn prompt, 0.5 s over 7 for the two-turn one
+    expected = sorted([100.0] * (len(recs) - 1) + [1e3 * 0.5 / 7])
+    assert summary.decode_ms_per_token == pytest.approx(float(np.median(expected)))
+    assert _decode_ms(recs[0] | {"new_tokens": 1}) is None
 
 
 @pytest.mark.parametrize("damage", ["{ torn", "[1, 2]", b"\xff\xfe"])

@@ -4,7 +4,8 @@ Every number in every table and figure comes from one place, :func:`aggregate`, 
 (temperature, dataset, method label):
 
 * **ms/tok**: the median over prompts of each prompt's wall time per new token (the mean is kept
-  too). **Speed-up** over AR is the AR baseline's median ms/tok divided by the method's. The
+  too). **decode ms/tok**: the same median of the time after each turn's first token (its
+  prefill) per token after the first, which is what llama-bench's token generation times. **Speed-up** over AR is the AR baseline's median ms/tok divided by the method's. The
   baseline is the fastest plain decoding a user could pick: among the AR runs of the temperature
   and dataset (``ar`` in the run's dtype and ``ar-<dtype>`` in other dtypes, e.g.
   ``ar-float32``), the one with the lowest median ms/tok (ties: ``ar``).
@@ -82,6 +83,10 @@ class MethodSummary:
     speedup: float | None  # the AR baseline's median ms/tok / this one; None without AR
     baseline: str | None = None  # the AR label ``speedup`` is against (the fastest AR run)
     dtype: str | None = None  # the dtype the target ran in (records' ``dtype``; older: None)
+    # median over prompts of the time after each turn's first token per token after the first
+    # (the prefill excluded, as llama-bench's token generation excludes its depth); None when no
+    # record has ``prefill_s``
+    decode_ms_per_token: float | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,15 @@ def _group_records(
     return groups, unmeasured, cut_short
 
 
+def _decode_ms(rec: dict[str, Any]) -> float | None:
+    """A record's decoding ms per token after each turn's first (``None`` without a prefill
+    time, or with no token after the first)."""
+    prefill, after = rec.get("prefill_s"), rec["new_tokens"] - rec.get("turns", 1)
+    if prefill is None or after < 1:
+        return None
+    return 1e3 * (rec["wall_s"] - prefill) / after
+
+
 def _summarise(key: tuple[float, str, str], recs: list[dict[str, Any]]) -> MethodSummary:
     """One group's summary, without a speed-up (:func:`_apply_baselines` adds it)."""
     t, d, m = key
@@ -196,6 +210,7 @@ def _summarise(key: tuple[float, str, str], recs: list[dict[str, Any]]) -> Metho
     budgets = np.array([b for r in recs for b in r["budgets"]], dtype=np.float64)
     verdicts = [r.get("matches_ar") for r in recs if r.get("matches_ar") is not None]
     dtypes = {r.get("dtype") for r in recs}
+    decode = [ms for ms in map(_decode_ms, recs) if ms is not None]
     first = recs[0]
     return MethodSummary(
         temperature=t,
@@ -216,6 +231,7 @@ def _summarise(key: tuple[float, str, str], recs: list[dict[str, Any]]) -> Metho
         matches_ar_known=len(verdicts),
         speedup=None,
         dtype=dtypes.pop() if len(dtypes) == 1 else None,
+        decode_ms_per_token=float(np.median(decode)) if decode else None,
     )
 
 
