@@ -311,7 +311,9 @@ def test_ablation_sensitivity_and_method_tables(report):
     # the best median of the whole grid is bold: here the C_d x0.5 variant (8.10)
     assert "| GSM8K | caddtree-cd0.5 | **8.10** |" in full
     lines = [line for line in full.splitlines() if line.startswith("| GSM8K | ddtree-8 |")]
-    assert lines == ["| GSM8K | ddtree-8 | 8.50 | 15.50 | 8.20 | 3.76× | 3.25 | 8.0 (0.0) | 3 | – |"]
+    assert lines == [
+        "| GSM8K | ddtree-8 | 8.50 | 15.50 | 8.20 | 3.76× | 3.25 | 8.0 (0.0) | 3 | – |"
+    ]
     assert "| GSM8K | caddtree | 8.20 | 8.40 | 7.71 | 3.90× | 3.00 | 15.0 (7.6) | 3 | 2/3 |" in full
     tex = (out / "tables.tex").read_text()
     assert r"CaDDTree & \textbf{8.20} \\" in tex
@@ -566,7 +568,10 @@ def test_tables_show_every_ar_dtype_and_name_the_baseline(tmp_path):
     full = section(md, "All methods, temperature 0")
     assert "speed-up vs fastest AR" in full
     assert "| GSM8K | ar | 32.00 | 32.67 | 54.00 | 0.94× | 1.00 | – | 3 | – |" in full
-    assert "| GSM8K | ar-float32 (baseline) | 30.00 | 33.00 | 50.00 | 1.00× | 1.00 | – | 3 | 2/3 |" in full
+    assert (
+        "| GSM8K | ar-float32 (baseline) | 30.00 | 33.00 | 50.00 | 1.00× | 1.00 | – | 3 | 2/3 |"
+        in full
+    )
     assert "| GSM8K | caddtree | **8.00** | 8.00 | 7.33 | 3.75× |" in full
     assert "| MATH-500 | ar (baseline) | 20.00 |" in full
     assert "| MATH-500 | ar-float32 | 25.00 | 25.00 | – | 0.80× |" in full

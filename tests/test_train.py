@@ -15,7 +15,14 @@ from caddtree.train.data import TrainingData, prepare_data
 from caddtree.train.features import compute_features
 from caddtree.train.loss import AnchorBlockLoss, build_training_batch, dpace_weights
 from caddtree.train.trainer import train_drafter
-from tiny_models import MASK_TOKEN_ID, VOCAB, qwen3_target, train_config
+from tiny_models import (
+    FEATURE_LAYER_IDS,
+    MASK_TOKEN_ID,
+    VOCAB,
+    new_drafter,
+    qwen3_target,
+    train_config,
+)
 from tiny_tokenizer import tiny_tokenizer
 
 config = train_config
@@ -534,3 +541,29 @@ def test_feature_cache_computes_only_appended_samples(target, data, tmp_path, mo
     path.write_bytes(path.read_bytes()[:100])
     assert len(feature_module.cached_features(target, data, [0, 2], path, False)) == 40
     assert computed[-1] == 40 and len(feature_module.load_features(path)) == 40
+
+
+def test_a_float32_step_scores_with_a_float32_copy_of_a_half_precision_head(target, data):
+    """With --precision float32 the frozen head is a float32 copy of the target's (bfloat16)
+    rows: the transposed bfloat16 matmul of its input gradient ran at about 1 GFLOP/s on a CPU
+    without AVX512-BF16 (10 s a step). With bfloat16 autocast it stays the target's."""
+    import copy
+
+    from caddtree.cli.train import training_precision
+
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    feats = compute_features(half, data, list(FEATURE_LAYER_IDS), progress=False)
+    model = new_drafter(half).float()
+    head = half.get_output_embeddings().weight
+    for precision, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        cfg = train_config(precision=precision, block_size=model.block_size)
+        loss = AnchorBlockLoss(model, half, feats, data, cfg, torch.device("cpu"))
+        assert loss.lm_head.weight.dtype == dtype and not loss.lm_head.weight.requires_grad
+        assert torch.equal(loss.lm_head.weight.to(torch.bfloat16), head)
+        value, _ = loss.batch_loss([0, 1], torch.Generator().manual_seed(0))
+        value.backward()
+        assert torch.isfinite(value) and model.fc.weight.grad is not None
+    assert training_precision("float32", "cpu") == "float32"
+    assert training_precision("bfloat16", "cpu") == "bfloat16"
+    fast = torch.cpu._is_avx512_bf16_supported()
+    assert training_precision("auto", "cpu") == ("bfloat16" if fast else "float32")

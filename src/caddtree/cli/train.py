@@ -111,7 +111,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         save_every=args.save_every,
         eval_every=args.eval_every,
         draft_vocab_coverage=args.draft_vocab_coverage or None,
-        precision=args.precision,
+        precision=training_precision(args.precision, args.device),
         loss_weighting=args.loss_weighting,
         dpace_alpha=args.dpace_alpha,
         ce_weight=args.ce_weight,
@@ -121,6 +121,20 @@ def _train_config(args: argparse.Namespace) -> Any:
     )
     config.validate()
     return config
+
+
+def training_precision(choice: str, device: Any) -> str:
+    """``--precision``: ``auto`` is bfloat16 where bfloat16 matmuls are fast (CUDA, or a CPU with
+    AVX512-BF16), else float32; ``device`` is ``--device``."""
+    import torch
+
+    from ..util.devices import resolve_device
+
+    if choice != "auto":
+        return choice
+    if resolve_device(device).type == "cuda" or torch.cpu._is_avx512_bf16_supported():
+        return "bfloat16"
+    return "float32"
 
 
 def _load_target(target_dir: Any, dtype: Any, device: Any) -> tuple[Any, Any, list[int]]:
@@ -450,9 +464,11 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=["bfloat16", "float32"],
-        default="bfloat16",
-        help="autocast dtype of the training forward (weights and optimiser stay float32)",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="autocast dtype of the training forward (weights and optimiser stay float32); auto: "
+        "bfloat16 on a GPU or a CPU with AVX512-BF16, else float32 (without it, bfloat16 "
+        "matmuls run several times slower than float32 ones)",
     )
     p.add_argument(
         "--loss-weighting",

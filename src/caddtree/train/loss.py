@@ -86,6 +86,16 @@ def build_training_batch(
     }
 
 
+def _float_copy(head: torch.nn.Linear) -> torch.nn.Linear:
+    """A float32 copy of a frozen linear head."""
+    copy = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
+    with torch.no_grad():
+        copy.weight.copy_(head.weight.float())
+        if head.bias is not None:
+            copy.bias.copy_(head.bias.float())
+    return copy.to(head.weight.device)
+
+
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
     """D-PACE position weights [..., B-1] (arXiv 2605.18810) from the cross-entropies ``ce`` of
     the ``valid`` positions (flat, in the order of ``valid``'s True entries).
@@ -190,8 +200,13 @@ class AnchorBlockLoss:
         self.embed = target.get_input_embeddings()
         self.embed.requires_grad_(False)
         ids = drafter.draft_token_ids
-        # the target's lm_head, or its rows of the draft vocabulary (frozen either way)
-        self.lm_head = draft_lm_head(target.get_output_embeddings(), ids).requires_grad_(False)
+        # the target's lm_head, or its rows of the draft vocabulary (frozen either way); in
+        # float32 when the forward is: a bfloat16 head there took 10 s a step on a CPU without
+        # AVX512-BF16 (its input gradient's transposed bfloat16 matmul ran at about 1 GFLOP/s)
+        head = draft_lm_head(target.get_output_embeddings(), ids)
+        if config.precision == "float32" and head.weight.dtype != torch.float32:
+            head = _float_copy(head)
+        self.lm_head = head.requires_grad_(False)
         self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
         if ids is not None:
             vocab = int(target.config.get_text_config().vocab_size)
