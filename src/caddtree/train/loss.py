@@ -204,7 +204,7 @@ class AnchorBlockLoss:
         # float32 when the forward is: a bfloat16 head there took 10 s a step on a CPU without
         # AVX512-BF16 (its input gradient's transposed bfloat16 matmul ran at about 1 GFLOP/s)
         head = draft_lm_head(target.get_output_embeddings(), ids)
-        if config.precision == "float32" and head.weight.dtype != torch.float32:
+        if config.precision == "float32" and head.weight.dtype in (torch.bfloat16, torch.float16):
             head = _float_copy(head)
         self.lm_head = head.requires_grad_(False)
         self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
