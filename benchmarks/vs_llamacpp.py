@@ -292,10 +292,9 @@ def llama_round(bins: Path, gguf: Path, args: argparse.Namespace) -> dict[str, A
         for r in batches
         if r["n_gen"] == 0 and r["n_depth"] == args.depth
     }
-    by_depth = {r["n_depth"]: per_record_ms(r) for r in tg if r["n_gen"] == new}
     out = {"ar_ms": per_record_ms(tg_record), "forward_ms": forward, "raw": tg + batches}
     if args.datasets:
-        out["tg_ms_by_depth"] = by_depth
+        out["tg_ms_by_depth"] = {r["n_depth"]: per_record_ms(r) for r in tg if r["n_gen"] == new}
     if args.batched:
         out["batched"] = llama_batched(bins, gguf, args)
     return out
@@ -367,11 +366,11 @@ def bucket(depth: int) -> int:
     return 16 * round(depth / 16)
 
 
-def prompt_depth(gen: SpeculativeGenerator, args: argparse.Namespace) -> int:
-    """The mean length in tokens of the prompts caddtree decodes (chat template applied): the
-    context llama.cpp's plain decoding starts from, so that both decode at the same contexts."""
-    lengths = [len(chat_template_ids(gen.tokenizer, messages)) for messages in args.chats]
-    return round(statistics.mean(lengths))
+def prompt_lengths(gen: SpeculativeGenerator, args: argparse.Namespace) -> list[int]:
+    """The lengths in tokens of the prompts caddtree decodes (chat template applied). Their mean
+    is the context llama.cpp's plain decoding starts from, so that both decode at the same
+    contexts."""
+    return [len(chat_template_ids(gen.tokenizer, messages)) for messages in args.chats]
 
 
 def forward_setup(gen: SpeculativeGenerator, args: argparse.Namespace) -> dict[int, DraftTree]:
@@ -574,7 +573,7 @@ def per_prompt_ratios(rounds: list[dict], args: argparse.Namespace, names: list[
     return out
 
 
-def print_per_prompt(per_prompt: dict, names: list[str]) -> None:
+def print_per_prompt(per_prompt: dict) -> None:
     labels = list(next(iter(per_prompt.values()))["medians"])
     print("\n  per prompt, decoding ms/token over llama.cpp's at the prompt's depth (median):")
     print(f"  {'':<24}" + "".join(f" {label:>10}" for label in labels))
@@ -705,8 +704,8 @@ def main() -> None:
     else:
         args.chats = [chat(gen, prompt, args.context) for prompt in PROMPTS[: 1 + args.prompts]]
         args.labels = []
-    args.decode_depth = prompt_depth(gen, args)
-    lengths = [len(chat_template_ids(gen.tokenizer, messages)) for messages in args.chats]
+    lengths = prompt_lengths(gen, args)
+    args.decode_depth = round(statistics.mean(lengths))
     args.prompt_depths = [bucket(n) for n in lengths] if args.datasets else []
     llama_warmup(bins, gguf, args)
     for gen in gens.values():
@@ -715,16 +714,17 @@ def main() -> None:
     machine = describe_machine(gens, llama_info, rounds)
     rows = summary(rounds, args, names)
     print_table(rows, machine, rounds, args, names)
-    if args.datasets:
-        print_per_prompt(per_prompt_ratios(rounds, args, names), names)
+    per_prompt = per_prompt_ratios(rounds, args, names) if args.datasets else None
+    if per_prompt:
+        print_per_prompt(per_prompt)
     if args.batched:
         print_batched(rounds)
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         llama = {**llama_info, "binaries": str(bins), "gguf": str(gguf)}
         extra = {"settings": settings, "llama_cpp": llama}
-        if args.datasets:
-            extra["per_prompt"] = per_prompt_ratios(rounds, args, names)
+        if per_prompt:
+            extra["per_prompt"] = per_prompt
         write_json(args.json, machine, rows, rounds, names, extra)
 
 

@@ -5,7 +5,8 @@ Every number in every table and figure comes from one place, :func:`aggregate`, 
 
 * **ms/tok**: the median over prompts of each prompt's wall time per new token (the mean is kept
   too). **decode ms/tok**: the same median of the time after each turn's first token (its
-  prefill) per token after the first, which is what llama-bench's token generation times. **Speed-up** over AR is the AR baseline's median ms/tok divided by the method's. The
+  prefill) per token after the first, which is what llama-bench's token generation times.
+  **Speed-up** over AR is the AR baseline's median ms/tok divided by the method's. The
   baseline is the fastest plain decoding a user could pick: among the AR runs of the temperature
   and dataset (``ar`` in the run's dtype and ``ar-<dtype>`` in other dtypes, e.g.
   ``ar-float32``), the one with the lowest median ms/tok (ties: ``ar``).

@@ -264,8 +264,9 @@ def cached_pass(
     samples appended since are computed and added to the file, in parts of at most
     :data:`PART_SAMPLES` samples, the file saved after each (an interrupted pass resumes after
     its last saved part). Anything else is computed afresh and replaces the file: a cache
-    without rows (or with other rows) is never used for a loss that needs them. Without ``topk`` a cache's rows are ignored, and dropped
-    from the file if it grows (its new part would have none).
+    without rows (or with other rows) is never used for a loss that needs them. Without
+    ``topk`` a cache's rows are ignored, and dropped from the file if it grows (its new part
+    would have none).
     """
     fixed = {"layers": list(layer_ids), **target_fingerprint(target)}
     tensors, key = _usable_cache(path, data, fixed, topk)

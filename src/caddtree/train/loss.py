@@ -15,6 +15,7 @@ teacher-forced blocks imply (:meth:`AnchorBlockLoss.chain_walk`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
@@ -84,16 +85,6 @@ def build_training_batch(
         "attention_mask": mask[:, None],
         "labels": labels,
     }
-
-
-def _float_copy(head: torch.nn.Linear) -> torch.nn.Linear:
-    """A float32 copy of a frozen linear head."""
-    copy = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
-    with torch.no_grad():
-        copy.weight.copy_(head.weight.float())
-        if head.bias is not None:
-            copy.bias.copy_(head.bias.float())
-    return copy.to(head.weight.device)
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -205,7 +196,7 @@ class AnchorBlockLoss:
         # AVX512-BF16 (its input gradient's transposed bfloat16 matmul ran at about 1 GFLOP/s)
         head = draft_lm_head(target.get_output_embeddings(), ids)
         if config.precision == "float32" and head.weight.dtype in (torch.bfloat16, torch.float16):
-            head = _float_copy(head)
+            head = copy.deepcopy(head).float()
         self.lm_head = head.requires_grad_(False)
         self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
         if ids is not None:

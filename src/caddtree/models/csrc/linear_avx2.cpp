@@ -73,11 +73,7 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
   for (int i = 0; i < MB; ++i) {
     alignas(32) float out[kGroup];
     for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, acc[i][j]);
-    c10::BFloat16* yr = p.y + (m0 + i) * p.N + o0;
-    const int64_t valid = p.N - o0 < kGroup ? p.N - o0 : kGroup;
-    for (int64_t r = 0; r < valid; ++r) {
-      yr[r] = c10::BFloat16(p.bias ? out[r] + p.bias[o0 + r] : out[r]);
-    }
+    caddtree_linear::write_outputs(p, m0 + i, o0, out, kGroup);
   }
 }
 
@@ -132,16 +128,11 @@ inline void half_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t 
 #undef CADDTREE_FIRST
 #undef CADDTREE_FMA
   }
-  const int64_t first = o0 + 8 * J0;
-  const int64_t valid = p.N - first < 16 ? p.N - first : 16;
   alignas(32) float out[16];
   auto store = [&](int64_t row, __m256 lo, __m256 hi) {
     _mm256_store_ps(out, lo);
     _mm256_store_ps(out + 8, hi);
-    c10::BFloat16* yr = p.y + row * p.N + first;
-    for (int64_t r = 0; r < valid; ++r) {
-      yr[r] = c10::BFloat16(p.bias ? out[r] + p.bias[first + r] : out[r]);
-    }
+    caddtree_linear::write_outputs(p, row, o0 + 8 * J0, out, 16);
   };
 #define CADDTREE_STORE(i) \
   if constexpr (i < MB) store(m0 + i, c##i##a, c##i##b);

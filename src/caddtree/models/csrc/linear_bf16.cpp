@@ -61,11 +61,7 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
     alignas(64) float out[kGroup];
     _mm512_store_ps(out, acc[i][0]);
     _mm512_store_ps(out + 16, acc[i][1]);
-    c10::BFloat16* yr = p.y + (m0 + i) * p.N + o0;
-    const int64_t valid = p.N - o0 < kGroup ? p.N - o0 : kGroup;
-    for (int64_t r = 0; r < valid; ++r) {
-      yr[r] = c10::BFloat16(p.bias ? out[r] + p.bias[o0 + r] : out[r]);
-    }
+    caddtree_linear::write_outputs(p, m0 + i, o0, out, kGroup);
   }
 }
 

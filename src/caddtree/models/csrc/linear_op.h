@@ -37,6 +37,18 @@ struct Problem {
 template <class X>
 using Pass = void (*)(const Problem<X>&, const uint16_t* wg, int64_t m0, int64_t o0);
 
+// Output row `row`, columns first .. first + width - 1 (those below N): the float32 sums `out`
+// plus the bias, each rounded once to bfloat16. Every pass of every kernel ends here.
+template <class X>
+inline void write_outputs(const Problem<X>& p, int64_t row, int64_t first, const float* out,
+                          int64_t width) {
+  c10::BFloat16* yr = p.y + row * p.N + first;
+  const int64_t valid = p.N - first < width ? p.N - first : width;
+  for (int64_t r = 0; r < valid; ++r) {
+    yr[r] = c10::BFloat16(p.bias ? out[r] + p.bias[first + r] : out[r]);
+  }
+}
+
 // Rows 0 .. M - 1 against one weight group, in as few passes of at most N rows (passes[r - 1]
 // takes r) as there can be, of balanced sizes (a pass of one or two rows over a group already in
 // cache is bound by the latency of its few accumulator chains, so a small remainder pass would
@@ -86,7 +98,9 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w,
       y.mutable_data_ptr<c10::BFloat16>(), K, N};
   if (M > 0) {
     at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) Kernel::group(p, p.w + g * p.K * kGroup, M, g * kGroup);
+      for (int64_t g = begin; g < end; ++g) {
+        Kernel::group(p, p.w + g * p.K * kGroup, M, g * kGroup);
+      }
     });
   }
   std::vector<int64_t> sizes = x.sizes().vec();
