@@ -2,8 +2,10 @@
 
     python benchmarks/batch_throughput.py [--requests 16] [--max-new-tokens 64]
                                           [--batches 1 2 4 8] [--methods ar ddtree-8]
+                                          [--runtime auto]
 
-Loads the built-in pair in bfloat16 on the lean runtime and, for each ``--batches`` size B and
+Loads the built-in pair in bfloat16 on ``--runtime`` (``auto``, as ``caddtree serve`` does:
+``compiled`` on CPUs where it compiles; ``lean``) and, for each ``--batches`` size B and
 each method, decodes ``--requests`` chat prompts of ``--max-new-tokens`` tokens with
 :class:`caddtree.engine.batching.BatchDecoder` (B requests at once, the next one joining as soon as one
 finishes), greedy. It prints the aggregate tokens per second (all requests' tokens over the wall
@@ -65,8 +67,9 @@ def main() -> None:
     parser.add_argument(
         "--methods", nargs="+", default=["ar", "ddtree-8", "caddtree", "caddtree-joint"]
     )
+    parser.add_argument("--runtime", default="auto", choices=["auto", "compiled", "lean"])
     args = parser.parse_args()
-    gen = load_pair(None, None, dtype="bfloat16", method="caddtree", runtime="lean")
+    gen = load_pair(None, None, dtype="bfloat16", method="caddtree", runtime=args.runtime)
     tokenizer = gen.tokenizer
     prompts = [
         chat_template_ids(tokenizer, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
@@ -75,7 +78,7 @@ def main() -> None:
     for method in args.methods:  # warm-up
         decode_all(gen, prompts[:2], method, 2, 8)
     print(
-        f"built-in pair, bfloat16, lean runtime, {torch.get_num_threads()} threads, "
+        f"built-in pair, bfloat16, {gen.runtime} runtime, {torch.get_num_threads()} threads, "
         f"{args.requests} requests x {args.max_new_tokens} tokens, greedy"
     )
     print(f"{'batch':>5} {'method':>10} {'tok/s':>8} {'tau':>6} {'x batch 1':>10}")

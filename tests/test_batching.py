@@ -11,6 +11,7 @@ from collections import deque
 
 import numpy as np
 import pytest
+import torch
 
 from caddtree import ConvexCostModel, InvalidInputError
 from caddtree.core.cost import PiecewiseLinearCurve
@@ -234,6 +235,38 @@ def test_requests_made_by_the_generator_decode_as_generate_does(tiny_pair_dirs):
         assert request.output == reference.token_ids, kwargs
         assert request.stop_reason == reference.stats.stop_reason, kwargs
     assert requests[0].stop_reason == "stop_string"
+
+
+def test_the_compiled_batch_graph_decodes_each_request_as_it_decodes_alone():
+    """bfloat16 on the compiled runtime, where caddtree's kernels give a row the same bits
+    whatever is beside it: the batch graph, compiled once when the decoder starts, verifies every
+    round of three requests at a time (trees and lone rows of several sequences, requests joining
+    and leaving), and each request's tokens equal plain decoding's of it alone on the
+    one-sequence graphs."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from caddtree.models import compiled, kernels
+    from test_packing import make_gen
+
+    if not kernels.kernel_available():
+        pytest.skip("the batch graph needs caddtree's kernels (AVX512-BF16 or AVX2, and g++)")
+    gen = make_gen(torch.bfloat16, runtime="compiled")
+    lengths = [14, 22, 9, 30, 17]
+    alone = [
+        gen.generate(p, "ar", max_new_tokens=n, stop_token_ids=()).token_ids
+        for p, n in zip(PROMPTS, lengths)
+    ]
+    target = gen.verifier.target
+    batch = BatchDecoder(target, gen.drafter, max_batch=3, capacity=64)
+    assert set(target.compiled._known) >= {"batch"}  # compiled at the start
+    calls = []
+    run_batch = target.compiled._batch_call
+    target.compiled._batch_call = lambda *args: calls.append(args[3]) or run_batch(*args)
+    done = batch.run(requests(lengths))
+    for request in done:
+        assert request.output == alone[PROMPTS.index(list(request.prompt_ids))], request.policy.name
+    assert any(len(rows.slots) > 1 and max(rows.counts) > 1 for rows in calls)  # trees batched
+    assert len(_debug_get_cache_entry_list(compiled._batch_layers.__code__)) == 1  # no recompile
 
 
 def test_a_failed_prefill_gives_its_slot_back(qwen3, drafter, monkeypatch):

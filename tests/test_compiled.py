@@ -87,6 +87,23 @@ def test_calls_after_the_prompt_run_the_graphs_and_never_recompile(model, compil
     assert graphs_compiled() == before
 
 
+def test_a_prompt_of_one_token_is_answered_as_transformers_answers_it(model, compiled):
+    """A one-token prompt attends over one cache entry, a size the graphs (compiled for two
+    or more) cannot take: it runs eager, and the rounds after it on the graphs."""
+    theirs = TreeVerifier(model, LAYERS)
+    compiled.reset(reserve=64)
+    theirs.reset(reserve=64)
+    for a, b in zip(compiled.prefill(prompt(5, 1)), theirs.prefill(prompt(5, 1))):
+        assert_same(a, b, model.dtype)
+    for seed in (1, 0):
+        t = tree(seed) if seed else DraftTree.empty()
+        for a, b in zip(compiled.verify(4, t), theirs.verify(4, t)):
+            assert_same(a, b, model.dtype)
+        path = deep_path(t)
+        compiled.commit(path)
+        theirs.commit(path)
+
+
 def _counting(call, calls):
     def counted(self, *args, **kwargs):
         calls.append(1)

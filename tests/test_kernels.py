@@ -63,6 +63,28 @@ def test_a_row_gives_the_same_bits_alone_or_among_others():
         assert torch.equal(torch.cat(parts), together)
 
 
+def test_amx_is_used_where_the_cpu_has_it_unless_turned_off():
+    """The linear kernel runs on the AMX tile unit where the CPU has AMX-BF16 (a choice made once
+    per process, so every call of a process agrees with every other); CADDTREE_AMX=0 keeps the
+    vector passes."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from caddtree.models import kernels; print(kernels.amx_in_use())"
+
+    def in_use(**env: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+        )
+        return done.stdout.strip()
+
+    has_amx = "amx_bf16" in kernels._cpu_flags() and kernels.kernel_variant() == "avx512-bf16"
+    assert kernels.amx_in_use() == has_amx
+    assert in_use(CADDTREE_AMX="0") == "False"
+    assert in_use(CADDTREE_AMX="1") == str(has_amx)
+
+
 def test_inputs_of_any_shape_and_layout():
     weight, bias = weights(64, 40)
     packed = kernels.pack_rows(weight)
@@ -249,6 +271,56 @@ def test_the_attention_kernel_takes_views_of_masks_and_refuses_bad_input():
     with pytest.raises(RuntimeError, match="bfloat16 q, keys and values expected"):
         kernels.tree_attention(q.float(), keys, values, mask, 0.2)
     assert kernels.attention_fits(64, 9, 3) and not kernels.attention_fits(72, 9, 3)
+
+
+@pytest.mark.parametrize(("heads", "kv", "dim"), [(9, 3, 64), (8, 2, 80)])
+def test_several_sequences_attend_in_one_call_as_each_does_alone(heads, kv, dim):
+    """tree_attention_batch over a cache of 4 slots: sequences of 1 to 33 rows and 1 to 300
+    entries in any slot order, and an empty one, give each row the bits tree_attention gives its
+    sequence alone (each reading only its own slot's first entries)."""
+    spans = [(2, 5, 17), (0, 1, 300), (3, 33, 40), (1, 0, 1), (1, 4, 4)]  # slot, rows, entries
+    generator = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 4, kv, 310, dim, generator=generator).bfloat16()
+    keys, values = cache[0], cache[1]
+    cases = [
+        attention_case(n, length, heads, kv, dim, seed=b)
+        for b, (_, n, length) in enumerate(spans)
+        if n
+    ]
+    q = torch.cat([case[0] for case in cases])
+    mask = torch.zeros(q.shape[0], 320, dtype=torch.bool)  # wider than any sequence: unread
+    mask[:, 300:] = True
+    first, alone = 0, []
+    for case, (slot, n, length) in zip(cases, [s for s in spans if s[1]]):
+        mask[first : first + n, :length] = case[3]
+        part = kernels.tree_attention(q[first : first + n], keys[slot], values[slot], case[3], 0.1)
+        alone.append(part)
+        first += n
+    seqs = torch.tensor(spans, dtype=torch.long)
+    out = kernels.tree_attention_batch(q, keys, values, mask, seqs, 0.1)
+    assert torch.equal(out, torch.cat(alone))
+
+
+def test_the_batch_attention_refuses_sequences_that_do_not_fit():
+    q, keys, values, mask = attention_case(4, 20, 4, 2, 32)
+    cache = torch.stack((keys, keys))  # [2 slots, kv, 25, D]
+
+    def call(seqs, mask=mask):
+        return kernels.tree_attention_batch(q, cache, cache, mask, torch.tensor(seqs), 0.2)
+
+    assert torch.equal(call([[1, 4, 20]]), kernels.tree_attention(q, keys, keys, mask, 0.2))
+    with pytest.raises(RuntimeError, match="slot 2 is not in the cache's 2"):
+        call([[2, 4, 20]])
+    with pytest.raises(RuntimeError, match="sequence 0 has 5 rows; the rows left are 4"):
+        call([[0, 5, 20]])
+    with pytest.raises(RuntimeError, match="the sequences hold 3 rows, q has 4"):
+        call([[0, 3, 20]])
+    with pytest.raises(RuntimeError, match="attends 21 entries; the mask covers 20"):
+        call([[0, 4, 21]])
+    with pytest.raises(RuntimeError, match="seqs must be int64"):
+        kernels.tree_attention_batch(q, cache, cache, mask, torch.ones(1, 2).long(), 0.2)
+    with pytest.raises(RuntimeError, match=r"must both be \[slots, kv, S, D\]"):
+        kernels.tree_attention_batch(q, keys, values, mask, torch.tensor([[0, 4, 20]]), 0.2)
 
 
 def test_the_lean_runtime_attends_with_the_kernel_as_with_sdpa():

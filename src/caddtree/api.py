@@ -343,7 +343,7 @@ class SpeculativeGenerator:
         import json
         from pathlib import Path
 
-        from .models.kernels import kernel_in_use, source_digest
+        from .models.kernels import amx_in_use, kernel_in_use, source_digest
         from .util.defaults import cache_root
 
         ident = {
@@ -366,6 +366,7 @@ class SpeculativeGenerator:
             "attention_kernel": self.runtime != "transformers"
             and self.verifier.target.fused_attention,
             "kernel_sources": source_digest() if kernel_in_use(self.verifier.dtype) else None,
+            "amx": kernel_in_use(self.verifier.dtype) and amx_in_use(),
             "machine": machine_description(self.verifier.device),
             "grid": {k: str(v) for k, v in sorted(kwargs.items())},
             # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the

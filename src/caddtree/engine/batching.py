@@ -71,6 +71,7 @@ class BatchDecoder:
         drafter: a DFlash drafter for requests whose policy drafts (``None``: AR only).
         max_batch: requests decoded at once (cache slots).
         capacity: the most positions one request may fill (prompt, output and its largest tree).
+        progress: show a progress line while the compiled runtime's batch graph compiles.
     """
 
     def __init__(
@@ -82,11 +83,13 @@ class BatchDecoder:
         capacity: int,
         joint_cost_model: CostModel | None = None,
         joint_max_nodes: int = 256,
+        progress: bool = False,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.joint_cost_model, self.joint_max_nodes = joint_cost_model, joint_max_nodes
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
         self.capacity = check_int("capacity", capacity, minimum=2)
+        target.compile_batch(self.max_batch, progress)
         target.reserve(self.max_batch, self.capacity)
         self.proposer = (
             BatchProposer(drafter, target.model, self.max_batch) if drafter is not None else None

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from ..util.defaults import cache_root
-from .kernels import cxx_compiler, tree_attention
+from .kernels import cxx_compiler, tree_attention, tree_attention_batch
 from .layers import LayerWeights, Shape, decoder_layer, rms_norm
 
 __all__ = ["CompiledLayers", "compile_progress", "compile_unsupported"]
@@ -189,6 +189,30 @@ def _attend_one_row(
     return out.reshape(1, -1).to(q.dtype)
 
 
+def _stack(
+    layers: Sequence[LayerWeights],
+    shape: Shape,
+    feature_ids: tuple[int, ...],
+    final_norm: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend_in: Callable[[int], Callable[..., torch.Tensor]],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Every decoder layer (layer ``i`` attending by ``attend_in(i)``), then the final norm.
+    Returns the normed last hidden state and the feature layers' outputs (the last layer's is
+    the normed one)."""
+    outputs: dict[int, torch.Tensor] = {}
+    for index, layer in enumerate(layers):
+        x = decoder_layer(layer, shape, x, cos, sin, attend_in(index))
+        if index in feature_ids:
+            outputs[index] = x
+    normed = rms_norm(x, final_norm, shape.eps)
+    if len(layers) - 1 in outputs:
+        outputs[len(layers) - 1] = normed
+    return normed, outputs
+
+
 def _layers(
     layers: Sequence[LayerWeights],
     shape: Shape,
@@ -203,11 +227,10 @@ def _layers(
     values: list[torch.Tensor],
     fused_attention: bool,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """What the graphs compute: every decoder layer, then the final norm. Returns the normed
-    last hidden state and the feature layers' outputs (the last layer's is the normed one)."""
-    outputs: dict[int, torch.Tensor] = {}
-    for index, layer in enumerate(layers):
-        attend = partial(
+    """What the one-sequence graphs compute (slot 0 of a one-slot cache; see :func:`_stack`)."""
+
+    def attend_in(index: int) -> Callable[..., torch.Tensor]:
+        return partial(
             _attend,
             shape=shape,
             keys=keys[index],
@@ -216,16 +239,44 @@ def _layers(
             mask=mask,
             fused=fused_attention,
         )
-        x = decoder_layer(layer, shape, x, cos, sin, attend)
-        if index in feature_ids:
-            outputs[index] = x
-    normed = rms_norm(x, final_norm, shape.eps)
-    if len(layers) - 1 in outputs:
-        outputs[len(layers) - 1] = normed
-    return normed, outputs
+
+    return _stack(layers, shape, feature_ids, final_norm, x, cos, sin, attend_in)
 
 
-_ARGUMENTS = tuple(inspect.signature(_layers).parameters)
+def _batch_layers(
+    layers: Sequence[LayerWeights],
+    shape: Shape,
+    feature_ids: tuple[int, ...],
+    final_norm: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    entries: torch.Tensor,
+    mask: torch.Tensor,
+    seqs: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """What the batch graph computes: rows of several sequences in a cache of several slots,
+    each row's keys and values written at (``slots``, ``entries``) and its attention by
+    :func:`~caddtree.models.kernels.tree_attention_batch` under ``mask`` [N, L] and ``seqs``."""
+    scale = shape.head_dim**-0.5
+
+    def attend_in(index: int) -> Callable[..., torch.Tensor]:
+        cache_k, cache_v = keys[index], values[index]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache_k[slots, :, entries] = k
+            cache_v[slots, :, entries] = v
+            return tree_attention_batch(q, cache_k, cache_v, mask, seqs, scale)
+
+        return attend
+
+    return _stack(layers, shape, feature_ids, final_norm, x, cos, sin, attend_in)
+
+
+_ARGUMENTS = {fn: tuple(inspect.signature(fn).parameters) for fn in (_layers, _batch_layers)}
 
 
 def _choose_inductor_cache() -> None:
@@ -238,8 +289,11 @@ def _choose_inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
 
 
-def _compiled_code(args: tuple[Any, ...]) -> tuple[Callable[..., Any], Any] | None:
-    """The code dynamo compiled for :func:`_layers` whose guards pass for ``args``, as a function,
+def _compiled_code(
+    fn: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], Any] | None:
+    """The code dynamo compiled for ``fn`` (:func:`_layers`, :func:`_batch_layers`) whose guards
+    pass for ``args``, as a function,
     and those guards; ``None`` where this torch does not expose them or no graph's guards pass
     (then every call of that kind goes through ``torch.compile``'s frame evaluation).
 
@@ -250,10 +304,10 @@ def _compiled_code(args: tuple[Any, ...]) -> tuple[Callable[..., Any], Any] | No
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        local = dict(zip(_ARGUMENTS, args))
-        for entry in _debug_get_cache_entry_list(_layers.__code__):
+        local = dict(zip(_ARGUMENTS[fn], args))
+        for entry in _debug_get_cache_entry_list(fn.__code__):
             if entry.guard_manager.check(local):
-                code = types.FunctionType(entry.code, _layers.__globals__, _layers.__name__)
+                code = types.FunctionType(entry.code, fn.__globals__, fn.__name__)
                 return code, entry.guard_manager
     except (ImportError, AttributeError, TypeError):  # another torch: no shortcut
         logger.debug("dynamo's compiled code is not reachable; calls go through torch.compile")
@@ -280,27 +334,44 @@ class CompiledLayers:
         # those guards last passed (see _run)
         self._known: dict[str, tuple[Callable[..., Any], Any] | None] = {}
         self._checked: dict[str, tuple[Any, ...]] = {}
-        self._graph = torch.compile(
-            _layers,
-            dynamic=False,
-            fullgraph=True,
-            options=options if target.device.type == "cpu" else None,
-        )
+        compile_options = options if target.device.type == "cpu" else None
+        self._graphs = {
+            fn: torch.compile(fn, dynamic=False, fullgraph=True, options=compile_options)
+            for fn in (_layers, _batch_layers)
+        }
 
     def serves(self, rows: Any, logits_rows: Any) -> bool:
-        """Whether a call goes to the graphs: one sequence in a one-slot cache, after its prompt
-        (not a causal prefill), every row's logits wanted (or one row)."""
+        """Whether a call goes to the graphs (not a causal prefill, every row's logits wanted or
+        one row, two cache entries attended at least: the graphs specialise sizes 0 and 1): one
+        sequence in a one-slot cache after its prompt, or (:meth:`serves_batch`) two or more rows
+        of any sequences of a cache of several slots."""
+        if rows.causal or rows.length < 2:
+            return False
+        if not (logits_rows is None or rows.counts[0] == 1):
+            return False
+        return self._one_sequence(rows) or self.serves_batch(rows)
+
+    def _one_sequence(self, rows: Any) -> bool:
+        return self.target.slots == 1 and len(rows.slots) == 1
+
+    def serves_batch(self, rows: Any) -> bool:
+        """Whether the batch graph takes ``rows`` (see :meth:`serves`): it needs caddtree's
+        attention kernel, and one row alone in a cache of several slots stays eager (a graph of
+        one row would be another compile)."""
         return (
-            self.target.slots == 1
-            and len(rows.slots) == 1
+            self.target.fused_attention
+            and not self._one_sequence(rows)
+            and sum(rows.counts) >= 2
             and not rows.causal
-            and (logits_rows is None or rows.counts[0] == 1)
+            and rows.length >= 2
         )
 
     @torch.no_grad()
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Any
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if not self._one_sequence(rows):
+            return self._batch_call(x, cos, sin, rows)
         target, n, start = self.target, x.shape[0], rows.starts[0]
         entries = torch.arange(start, start + n, device=x.device)
         mask = rows.mask
@@ -325,9 +396,39 @@ class CompiledLayers:
             target.values,
             target.fused_attention,
         )
-        return self._run("row" if n == 1 else "tree", args)
+        return self._run("row" if n == 1 else "tree", _layers, args)
 
-    def _run(self, kind: str, args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[int, Any]]:
+    def _batch_call(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Any
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The batch graph: one graph for every number of rows (2 or more), of sequences (its
+        ``seqs`` has 2 entries at least: a lone sequence gets an empty partner) and context."""
+        target = self.target
+        slots, entries = rows.cache_entries()
+        mask, seqs = rows.attention_inputs()
+        for tensor in (x, cos, sin, slots, entries, mask, seqs):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(mask, 1)
+        args = (
+            target.layers,
+            target.shape,
+            target.feature_layer_ids,
+            target.final_norm_weight,
+            x,
+            cos,
+            sin,
+            slots,
+            entries,
+            mask,
+            seqs,
+            target.keys,
+            target.values,
+        )
+        return self._run("batch", _batch_layers, args)
+
+    def _run(
+        self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]
+    ) -> tuple[torch.Tensor, dict[int, Any]]:
         """Run the graph of ``kind`` on ``args``: straight through the code dynamo compiled for
         it when dynamo's own guards for that code pass, else through ``torch.compile``'s frame
         evaluation (which compiles or picks the graph), remembering the code that ran.
@@ -339,15 +440,15 @@ class CompiledLayers:
         are read once and never change (see :class:`~caddtree.models.lean.LeanTarget`)."""
         known = self._known.get(kind, ())
         if known is None:  # this torch exposes no compiled code: no shortcut
-            return self._graph(*args)
+            return self._graphs[fn](*args)
         stamp = self._stamp()
         if known and (
-            self._checked.get(kind) == stamp or known[1].check(dict(zip(_ARGUMENTS, args)))
+            self._checked.get(kind) == stamp or known[1].check(dict(zip(_ARGUMENTS[fn], args)))
         ):
             self._checked[kind] = stamp
             return known[0](*args)
-        out = self._graph(*args)
-        self._known[kind] = _compiled_code(args)  # found by its guards passing for args
+        out = self._graphs[fn](*args)
+        self._known[kind] = _compiled_code(fn, args)  # found by its guards passing for args
         self._checked[kind] = stamp
         return out
 

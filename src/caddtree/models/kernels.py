@@ -49,6 +49,7 @@ from ..util.files import atomic_write
 
 __all__ = [
     "GROUP",
+    "amx_in_use",
     "attention_fits",
     "cxx_compiler",
     "kernel_available",
@@ -59,6 +60,7 @@ __all__ = [
     "rows_linear",
     "source_digest",
     "tree_attention",
+    "tree_attention_batch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -234,21 +236,35 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
+    @torch.library.register_fake("caddtree::tree_attention_batch")
+    def _(
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        seqs: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
 
 def _probe() -> bool:
-    """The kernel against ``F.linear`` on a random probe, and a row alone against the same row
-    among others (bit for bit)."""
+    """The kernel against ``F.linear`` on random probes (70 inputs: vector passes; 64: AMX where
+    it is used), and a row alone against the same row among others (bit for bit)."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(2 * GROUP - 3, 70, generator=generator).bfloat16()
-    bias = torch.randn(2 * GROUP - 3, generator=generator).bfloat16()
-    x = torch.randn(11, 70, generator=generator).bfloat16()
-    packed = pack_rows(weight, check=False)
-    n = weight.shape[0]
-    out = rows_linear(x, packed, bias, n)
-    reference = F.linear(x.float(), weight.float(), bias.float())
-    close = torch.allclose(out.float(), reference, rtol=1e-2, atol=1e-2)
-    alone = torch.cat([rows_linear(x[i : i + 1], packed, bias, n) for i in range(x.shape[0])])
-    return bool(close and torch.equal(alone, out))
+    for k in (70, 64):
+        weight = torch.randn(2 * GROUP - 3, k, generator=generator).bfloat16()
+        bias = torch.randn(2 * GROUP - 3, generator=generator).bfloat16()
+        x = torch.randn(19, k, generator=generator).bfloat16()
+        packed = pack_rows(weight, check=False)
+        n = weight.shape[0]
+        out = rows_linear(x, packed, bias, n)
+        reference = F.linear(x.float(), weight.float(), bias.float())
+        close = torch.allclose(out.float(), reference, rtol=1e-2, atol=1e-2)
+        alone = torch.cat([rows_linear(x[i : i + 1], packed, bias, n) for i in range(x.shape[0])])
+        if not (close and torch.equal(alone, out)):
+            return False
+    return True
 
 
 def _probe_attention() -> bool:
@@ -294,6 +310,13 @@ def kernel_available() -> bool:
     return False
 
 
+def amx_in_use() -> bool:
+    """Whether the linear kernel runs on the CPU's AMX tile unit (Intel Xeon since Sapphire
+    Rapids; for weights of a multiple of 32 inputs), decided once per process:
+    ``CADDTREE_AMX=0`` turns it off."""
+    return kernel_available() and bool(torch.ops.caddtree.amx_in_use())
+
+
 def kernel_in_use(dtype: torch.dtype) -> bool:
     """Whether packed CPU layers of ``dtype`` run on the kernel (bfloat16 where it is available)."""
     return dtype is torch.bfloat16 and kernel_available()
@@ -337,6 +360,23 @@ def tree_attention(
     ``h // (H / kv)``), each row over the entries its ``mask`` row [.., n, L] allows; returns
     [n, H*D]. bfloat16, on the CPU; a row's result is the same bits alone or among others."""
     return torch.ops.caddtree.tree_attention(q, keys, values, mask, scale)
+
+
+def tree_attention_batch(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`tree_attention` of several sequences in one call: ``q`` [N, H, D] holds each
+    sequence's rows in turn, ``seqs`` [B, 3] int64 gives per sequence its cache slot, its number
+    of rows and the entries ``L_b`` it attends, ``keys``/``values`` are a layer's whole cache
+    [slots, kv, S, D], and ``mask`` [N, L >= L_b] says which of its slot's first ``L_b`` entries
+    each row sees. Each row's result is the same bits as in :func:`tree_attention` of its
+    sequence alone."""
+    return torch.ops.caddtree.tree_attention_batch(q, keys, values, mask, seqs, scale)
 
 
 def rows_linear(

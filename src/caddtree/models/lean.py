@@ -48,7 +48,7 @@ from torch import nn
 
 from ..core.tree import DraftTree
 from ..util.errors import InvalidInputError
-from .kernels import attention_fits, kernel_in_use, tree_attention
+from .kernels import attention_fits, kernel_in_use, tree_attention, tree_attention_batch
 from .layers import (
     Shape,
     decoder_layer,
@@ -132,6 +132,7 @@ class Rows:
 
     _grouped: torch.Tensor | None = field(default=None, repr=False)
     _per_sequence: list[torch.Tensor] | None = field(default=None, repr=False)
+    _attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def sequence_masks(self) -> list[torch.Tensor]:
         """Per sequence, its rows' mask over its own ``start + count`` entries [count, L_s]
@@ -147,6 +148,34 @@ class Rows:
                     for b, (start, count) in enumerate(spans)
                 ]
         return self._per_sequence
+
+    def cache_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the cache slot and entry its keys and values are written at [N] each."""
+        if self.write_index is not None:
+            return self.write_index
+        n, device = self.tokens.shape[0], self.tokens.device
+        entries = torch.arange(self.starts[0], self.starts[0] + n, device=device)
+        return torch.full((n,), self.slots[0], dtype=torch.long, device=device), entries
+
+    def attention_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``mask`` [N, L] and ``seqs`` [B, 3] of
+        :func:`~caddtree.models.kernels.tree_attention_batch` for these rows, made once per call.
+        ``seqs`` has two entries at least (a lone sequence gets an empty one after it), so that
+        its size is never specialised in a compiled graph."""
+        if self._attention is None:
+            n, device = self.tokens.shape[0], self.tokens.device
+            if self.mask is None:
+                mask = torch.ones((n, self.length), dtype=torch.bool, device=device)
+            elif len(self.slots) == 1:
+                mask = self.mask[0, 0]
+            else:
+                b, _, n_max, length = self.mask.shape
+                mask = self.mask.view(b * n_max, length)[self.padded_index]
+            spans = zip(self.slots, self.starts, self.counts)
+            seqs = [(slot, count, start + count) for slot, start, count in spans]
+            seqs += [(self.slots[0], 0, 1)] * (2 - len(seqs))
+            self._attention = mask, torch.tensor(seqs, dtype=torch.long)
+        return self._attention
 
     def grouped_mask(self, groups: int) -> torch.Tensor | None:
         """The mask for ``groups`` query heads stacked per key/value head (row ``g * n_max + i``
@@ -314,6 +343,29 @@ class LeanTarget:
                 bar.set_postfix_str(what)
                 self._warm_up(n)
                 bar.update()
+
+    def compile_batch(self, slots: int, progress: bool = True) -> None:
+        """Compile (or load from inductor's disk cache) the compiled runtime's batch graph for a
+        cache of ``slots`` slots now, on a scratch cache, so that no round waits for it; nothing
+        where the layers are not compiled, the graph would not serve (no attention kernel) or
+        ``slots`` is 1 (the one-sequence graphs serve)."""
+        if self.compiled is None or not self.fused_attention or slots < 2:
+            return
+        from .compiled import compile_progress
+
+        kept = (self.keys, self.values, self._written, self.slots, self.capacity)
+        self.release()
+        self.reserve(slots, 0)
+        try:
+            with compile_progress(progress, 1) as bar:
+                bar.set_postfix_str(f"batches of up to {slots} sequences")
+                tree = np.tril(np.ones((3, 3), dtype=bool))
+                # sizes all different (rows 5, sequences 2, length 7), so none is tied to another
+                sequences = [(0, 2, [0, 0], [2, 3], tree[:2, :2]), (1, 4, [0] * 3, [4, 5, 6], tree)]
+                self.forward(Rows.batch(sequences, self.device))
+                bar.update()
+        finally:
+            self.keys, self.values, self._written, self.slots, self.capacity = kept
 
     def _warm_up(self, n: int) -> None:
         """Compile (or load from inductor's on-disk cache) the graph of ``n`` rows now, on a
@@ -506,16 +558,16 @@ class LeanTarget:
         return out if n_seq == 1 else out[rows.padded_index]
 
     def _attend_fused(self, index: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """:meth:`_attend` by caddtree's attention kernel
-        (:func:`~caddtree.models.kernels.tree_attention`): one call per sequence, each reading its
-        own slot's keys and values in place, under its rows' part of the mask."""
+        """:meth:`_attend` by caddtree's attention kernel, reading each sequence's slot in place:
+        :func:`~caddtree.models.kernels.tree_attention` for one sequence,
+        :func:`~caddtree.models.kernels.tree_attention_batch` (the same bits per row) for
+        several."""
         keys, values = self.keys[index], self.values[index]
-        out, first = [], 0
-        for slot, count, mask in zip(rows.slots, rows.counts, rows.sequence_masks()):
-            part = q[first : first + count]
-            out.append(tree_attention(part, keys[slot], values[slot], mask, self.scale))
-            first += count
-        return out[0] if len(out) == 1 else torch.cat(out)
+        if len(rows.slots) == 1:
+            slot, mask = rows.slots[0], rows.sequence_masks()[0]
+            return tree_attention(q, keys[slot], values[slot], mask, self.scale)
+        mask, seqs = rows.attention_inputs()
+        return tree_attention_batch(q, keys, values, mask, seqs, self.scale)
 
     def _cached(
         self, index: int, slots: list[int], length: int

@@ -73,6 +73,7 @@ class BatchEngine(Engine):
             max_batch=self.max_batch,
             capacity=int(verifier.max_positions or 8192),
             joint_cost_model=generator.cost_model if joint_budget else None,
+            progress=True,
         )
         self._active: list[_Active] = []
 

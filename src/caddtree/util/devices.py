@@ -125,8 +125,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def machine_description(device: torch.device) -> str:
     """What the timings depend on: the accelerator, or the CPU model, its vector instructions
-    (torch's capability, and AVX512-BF16 where it has it: CPUs sold under one name differ, and
-    caddtree's kernels follow them) and the thread count."""
+    (torch's capability, and AVX512-BF16 and AMX where it has them: CPUs sold under one name
+    differ, and caddtree's kernels follow them) and the thread count."""
     import platform
 
     if device.type == "cuda":
@@ -142,6 +142,8 @@ def machine_description(device: torch.device) -> str:
     isa = torch.backends.cpu.get_cpu_capability()
     if torch.cpu._is_avx512_bf16_supported():
         isa += "+BF16"
+    if torch.cpu._is_amx_tile_supported():
+        isa += "+AMX"
     return f"cpu:{cpu}:{isa}:{os.cpu_count()} cores:{torch.get_num_threads()} threads"
 
 

@@ -305,4 +305,5 @@ struct Kernel {
 
 TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
   m.impl("tree_attention", &caddtree_attention::attention_op<Kernel>);
+  m.impl("tree_attention_batch", &caddtree_attention::batch_attention_op<Kernel>);
 }

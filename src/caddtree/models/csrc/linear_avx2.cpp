@@ -192,3 +192,7 @@ struct Kernel {
 TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
   m.impl("linear_bf16", &caddtree_linear::linear_op<Kernel>);
 }
+
+TORCH_LIBRARY_FRAGMENT(caddtree, m) {
+  m.def("amx_in_use() -> bool", [] { return false; });  // AMX CPUs build the AVX512-BF16 variant
+}

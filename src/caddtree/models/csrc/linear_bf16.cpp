@@ -25,9 +25,16 @@
 
 #include "linear_op.h"
 
+#include <ATen/ops/zeros.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 namespace {
@@ -72,9 +79,116 @@ struct Rows {
   }
 };
 
+// ---- AMX ----------------------------------------------------------------------------------------
+// On CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids) every call, one row or many, runs on
+// the tile unit instead (for weights whose K is a multiple of 32; others keep the passes above):
+// a tile product takes 16 rows by 32 input columns of x, and the same packed weights as 16 column
+// pairs of 16 outputs (one half of a group, read with a 128-byte stride), so a group needs no
+// copy. A call of a few dozen rows then costs about what one row does (it reads the weights once,
+// and the products are cheap), where the passes above grow with the rows. The tile unit rounds
+// its sums in its own way, not vdpbf16ps's, but it computes each row of a tile from that row
+// alone, in the same order of 32-column chunks, whatever the number of rows: so with AMX too a
+// row gets the same bits alone or among others. The choice is made once per process (the CPU,
+// Linux's permission for the tile state, and CADDTREE_AMX=0 to turn it off), so it never changes
+// between two calls.
+
+constexpr int64_t kTileRows = 16;  // rows of x per tile
+constexpr int64_t kChunk = 32;     // input columns per tile product (16 column pairs)
+
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_allowed() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("CADDTREE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
+    constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return tile && bf16 && syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
+  }();
+  return allowed;
+}
+
+inline bool amx_takes(int64_t K) { return K % kChunk == 0 && amx_allowed(); }
+
+// One block of up to 16 rows (C tiles 0 and 1: the group's two halves) or two (tiles 2 and 3
+// too), stored and written out.
+[[gnu::target("amx-tile,amx-bf16")]] inline void amx_block(const Problem& p, const uint16_t* wg,
+                                                         int64_t M, int64_t m0, int64_t o0) {
+  const bool two = m0 + kTileRows < M;
+  const int64_t chunks = p.K / kChunk, stride = p.K * 2;
+  const auto* x0 = reinterpret_cast<const uint16_t*>(p.x) + m0 * p.K;
+  const auto* x1 = x0 + kTileRows * p.K;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint16_t* wc = wg + c * (kChunk / 2) * kGroup * 2;
+    _tile_loadd(6, wc, kGroup * 4);
+    _tile_loadd(7, wc + kTileRows * 2, kGroup * 4);
+    _tile_loadd(4, x0 + c * kChunk, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x1 + c * kChunk, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float out[4][kTileRows][kTileRows];
+  _tile_stored(0, out[0], 64);
+  _tile_stored(1, out[1], 64);
+  if (two) {
+    _tile_stored(2, out[2], 64);
+    _tile_stored(3, out[3], 64);
+  }
+  for (int64_t r = 0; r < 2 * kTileRows && m0 + r < M; ++r) {
+    const int64_t b = r / kTileRows * 2, i = r % kTileRows;
+    caddtree_linear::write_outputs(p, m0 + r, o0, out[b][i], kTileRows);
+    caddtree_linear::write_outputs(p, m0 + r, o0 + kTileRows, out[b + 1][i], kTileRows);
+  }
+}
+
+// Groups begin .. end - 1 against all M rows (x padded to whole tiles), 32 rows a pass.
+[[gnu::target("amx-tile,amx-bf16")]] void amx_groups(const Problem& p, int64_t M, int64_t begin,
+                                                     int64_t end) {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  for (int64_t g = begin; g < end; ++g) {
+    for (int64_t m0 = 0; m0 < M; m0 += 2 * kTileRows) {
+      amx_block(p, p.w + g * p.K * kGroup, M, m0, g * kGroup);
+    }
+  }
+  _tile_release();
+}
+
 struct Kernel {
   using X = c10::BFloat16;
-  static at::Tensor input(const at::Tensor& rows) { return rows.contiguous(); }
+  // rows padded with zeros to whole tiles where AMX takes them
+  static at::Tensor input(const at::Tensor& rows) {
+    const int64_t M = rows.size(0), padded = (M + kTileRows - 1) / kTileRows * kTileRows;
+    if (!amx_takes(rows.size(1)) || padded == M) return rows.contiguous();
+    at::Tensor out = at::zeros({padded, rows.size(1)}, rows.options());
+    out.narrow(0, 0, M).copy_(rows);
+    return out;
+  }
+  static bool groups(const Problem& p, int64_t M, int64_t begin, int64_t end) {
+    if (!amx_takes(p.K)) return false;
+    amx_groups(p, M, begin, end);
+    return true;
+  }
   static constexpr int kMaxRows = 12;  // input rows per pass over a group: 24 accumulators
   static constexpr auto kPasses = caddtree_linear::pass_table<X, Rows>(
       std::make_integer_sequence<int, kMaxRows>{});
@@ -87,4 +201,8 @@ struct Kernel {
 
 TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
   m.impl("linear_bf16", &caddtree_linear::linear_op<Kernel>);
+}
+
+TORCH_LIBRARY_FRAGMENT(caddtree, m) {
+  m.def("amx_in_use() -> bool", [] { return amx_allowed(); });
 }

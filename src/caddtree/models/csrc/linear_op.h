@@ -5,8 +5,11 @@
 //   static at::Tensor input(const at::Tensor& rows);    // [M, K] bf16 -> [M, K] of X
 //   static void group(const Problem<X>& p, const uint16_t* wg, int64_t M, int64_t o0);
 // where group computes all M rows of the output against the weight group at wg (outputs
-// o0 .. o0 + 31), usually in passes over it (balanced_passes). w is packed by
-// caddtree.models.kernels.pack_rows: [groups, K / 2, 32, 2].
+// o0 .. o0 + 31), usually in passes over it (balanced_passes). A kernel may also have
+//   static bool groups(const Problem<X>& p, int64_t M, int64_t begin, int64_t end);
+// which computes the groups begin .. end - 1 of one thread in one go where it can (true), or
+// leaves them to group (false); input may then give more than M rows (padding it reads).
+// w is packed by caddtree.models.kernels.pack_rows: [groups, K / 2, 32, 2].
 
 #pragma once
 
@@ -83,8 +86,9 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w,
               "linear_bf16: ", N, " outputs do not fit a weight packed for ", w.size(0) * kGroup);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_bf16: input has ", x.size(-1),
               " features, the weight takes ", K);
-  const at::Tensor input = Kernel::input(x.reshape({-1, K}));
-  const int64_t M = input.size(0);
+  const at::Tensor rows = x.reshape({-1, K});
+  const int64_t M = rows.size(0);
+  const at::Tensor input = Kernel::input(rows);  // M rows at least (a kernel may pad)
   at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear_bf16: bias has ", bias->numel(), " values, not ", N);
@@ -98,6 +102,9 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w,
       y.mutable_data_ptr<c10::BFloat16>(), K, N};
   if (M > 0) {
     at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+      if constexpr (requires { Kernel::groups(p, M, begin, end); }) {
+        if (Kernel::groups(p, M, begin, end)) return;  // the kernel took the whole range
+      }
       for (int64_t g = begin; g < end; ++g) {
         Kernel::group(p, p.w + g * p.K * kGroup, M, g * kGroup);
       }

@@ -6,4 +6,7 @@
 TORCH_LIBRARY(caddtree, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None, int n=-1) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
+  m.def(
+      "tree_attention_batch(Tensor q, Tensor keys, Tensor values, Tensor mask, Tensor seqs, "
+      "float scale) -> Tensor");
 }
