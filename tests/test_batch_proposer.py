@@ -5,6 +5,8 @@ cache growing."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -44,9 +46,13 @@ def module_draft(target, drafter, bonus: int, context: torch.Tensor) -> torch.Te
         return head(hidden[0, 1:])
 
 
-def test_each_sequence_of_a_pass_drafts_what_the_module_drafts_over_its_context(pair):
+@pytest.mark.parametrize("at_once", [False, True])
+def test_each_sequence_of_a_pass_drafts_what_the_module_drafts_over_its_context(pair, at_once):
+    """Projected on demand, or every block's positions in one call (``project_at_once``, the
+    choice where the AMX tile unit makes rows almost free)."""
     target, drafter = pair
     batched = BatchProposer(drafter, target, slots=4)
+    batched.project_at_once = at_once
     history = {slot: features(drafter, 0, 0) for slot in range(4)}
     rng = np.random.default_rng(0)
     active = [2, 0, 3]
@@ -68,6 +74,7 @@ def test_each_sequence_of_a_pass_drafts_what_the_module_drafts_over_its_context(
             for slot in active
         ]
         ours = batched.propose(calls)
+        assert all((d.projected == d.shape[0]) == at_once for d in ours)
         for call, draft in zip(calls, ours):
             history[call.slot] = torch.cat([history[call.slot], call.features])
             expected = module_draft(target, drafter, call.bonus, history[call.slot])
@@ -102,3 +109,21 @@ def test_a_pass_grows_the_cache_and_refuses_repeated_slots(pair):
     assert batched.capacity >= 310 + drafter.block_size
     with pytest.raises(InvalidInputError, match="distinct slots"):
         batched.propose([DraftCall(0, 1, long[:1]), DraftCall(0, 2, long[:1])])
+
+
+def test_in_bfloat16_a_sequence_drafts_the_same_bits_alone_or_in_a_pass(pair):
+    """With caddtree's kernels (one attention call for every block of a pass), each sequence's
+    draft logits are the bits a pass of that sequence alone gives."""
+    from caddtree.models import kernels
+
+    if not kernels.kernel_available():
+        pytest.skip("needs caddtree's kernels (AVX512-BF16 or AVX2, and g++)")
+    target, drafter = (m.to(torch.bfloat16) for m in copy.deepcopy(pair))
+    together, alone = BatchProposer(drafter, target, slots=3), BatchProposer(drafter, target, 3)
+    assert together.fused_attention
+    calls = [
+        DraftCall(slot, 7 * slot + 1, features(drafter, 3 + 2 * slot, slot).bfloat16())
+        for slot in (2, 0, 1)
+    ]
+    for draft, call in zip(together.propose(calls), calls):
+        torch.testing.assert_close(draft.rows(), alone.propose([call])[0].rows(), rtol=0, atol=0)

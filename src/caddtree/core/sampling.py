@@ -209,6 +209,11 @@ def _sampling_processors(
     return [make() for make, want in zip(makers, wanted) if want]
 
 
+def plain_greedy(sampler: Sampler) -> bool:
+    """Whether ``sampler`` takes the argmax of the raw logits (greedy, no processors)."""
+    return sampler.greedy and not sampler.processors
+
+
 def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
     """``argmax`` over the last dimension (the first index on ties). Half-precision logits are
     upcast to float32 first: exact, so the choices are the same, and on a CPU several times
@@ -253,6 +258,7 @@ def walk_tree(
     logits: torch.Tensor,
     sampler: Sampler,
     context: TokenContext | None = None,
+    choices: Sequence[int] | None = None,
 ) -> tuple[list[int], int]:
     """Walk ``tree`` with the target's choices.
 
@@ -261,16 +267,20 @@ def walk_tree(
     committed token, the bonus included) followed by the tokens on the tree path down to and
     including the node, so a repetition penalty sees exactly what plain decoding would have seen
     there. ``context`` may be ``None`` when the sampler does not read it
-    (:attr:`Sampler.needs_context`). Returns the accepted nodes (tree node indices, from the
-    root down) and the next bonus token: the target's choice after the last accepted node, which
-    no child carries. The row of ``logits`` of node ``k`` is ``k + 1``.
+    (:attr:`Sampler.needs_context`). ``choices``: the :func:`greedy_choices` of ``logits``,
+    where the caller has them (a batch takes all its rows' in one call); used only by a greedy
+    sampler without processors. Returns the accepted nodes (tree node indices, from the root
+    down) and the next bonus token: the target's choice after the last accepted node, which no
+    child carries. The row of ``logits`` of node ``k`` is ``k + 1``.
     """
     track = context is not None and sampler.needs_context
-    if sampler.greedy and not sampler.processors and len(tree):
-        choices = greedy_choices(logits).tolist()  # one host sync for the whole tree
+    if plain_greedy(sampler) and (len(tree) or choices is not None):
+        if choices is None:
+            choices = greedy_choices(logits).tolist()  # one host sync for the whole tree
+        chosen = choices
 
         def choose(row: int, depth: int) -> int:
-            return choices[row]
+            return chosen[row]
     else:
 
         def choose(row: int, depth: int) -> int:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..core.cost import CostModel
-from ..core.sampling import TokenContext, walk_tree
+from ..core.sampling import TokenContext, greedy_choices, plain_greedy, walk_tree
 from ..core.tree import DraftTree, build_joint_caddtrees, verification_rows
 from ..models.batch_proposer import BatchProposer, DraftCall
 from ..models.drafts import DraftLogits
@@ -178,9 +178,12 @@ class BatchDecoder:
         logits, features = self.target.forward(rows)
         forward_s = time.perf_counter() - drafted
         finished, offset, committed, batch = [], 0, 0, len(self._running)
+        greedy = any(plain_greedy(r.request.sampler) for r in self._running)
+        choices = greedy_choices(logits).tolist() if greedy else None  # one call for all rows
         for running, tree in zip(list(self._running), trees):
             n = len(tree) + 1
-            self._walk(running, tree, logits[offset : offset + n], features[offset : offset + n])
+            rows = slice(offset, offset + n)
+            self._walk(running, tree, logits[rows], features[rows], choices and choices[rows])
             offset += n
             stats = running.request.round_stats[-1]
             stats.draft_s, stats.forward_s = drafted - start, forward_s
@@ -333,10 +336,15 @@ class BatchDecoder:
         return sequences * model.draft_cost
 
     def _walk(
-        self, running: _Running, tree: DraftTree, logits: torch.Tensor, features: torch.Tensor
+        self,
+        running: _Running,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        features: torch.Tensor,
+        choices: list[int] | None,
     ) -> None:
         request = running.request
-        nodes, next_bonus = walk_tree(tree, logits, request.sampler, running.context)
+        nodes, next_bonus = walk_tree(tree, logits, request.sampler, running.context, choices)
         tokens = [int(tree.token_ids[k]) for k in nodes] + [next_bonus]
         request.rounds += 1
         request.accepted += len(nodes)

@@ -37,7 +37,13 @@ from ..util.checks import check_int
 from ..util.errors import CheckpointError, InvalidInputError
 from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
 from .drafts import PROJECTION_STEPS, DraftLogits
-from .kernels import attention_fits, kernel_in_use, tree_attention
+from .kernels import (
+    amx_in_use,
+    attention_fits,
+    kernel_in_use,
+    tree_attention,
+    tree_attention_batch,
+)
 from .layers import Shape, decoder_layer, fused_linear, layer_weights, rms_norm, rotary_tables
 
 __all__ = ["BatchProposer", "DraftCall"]
@@ -80,6 +86,14 @@ class BatchProposer:
         self.token_map = None if ids is None else ids.cpu().numpy()
         #: how :meth:`propose`'s logits are projected (see :class:`DraftLogits`)
         self.projection_steps: tuple[int, ...] = PROJECTION_STEPS
+        #: project every position of every block of a pass in one call, where rows are almost
+        #: free (the AMX tile unit multiplies a few dozen rows for the price of one); elsewhere
+        #: positions are projected on demand, as far as the trees reach
+        self.project_at_once = (
+            lm_head.weight.device.type == "cpu"
+            and lm_head.weight.dtype is torch.bfloat16
+            and amx_in_use()
+        )
         config = drafter.config
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         head_dim = drafter.layers[0].self_attn.head_dim
@@ -163,11 +177,12 @@ class BatchProposer:
         hidden = hidden.view(len(calls), self.block_size, -1)
         for call, start in zip(calls, plan.starts):
             self.lengths[call.slot] = start
-        target_dtype = self.lm_head.weight
+        hidden = hidden[:, 1:].to(self.lm_head.weight)
+        if self.project_at_once:  # every block's positions in one call
+            logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
+            return [DraftLogits.precomputed(logits[b], self.token_map) for b in range(len(calls))]
         return [
-            DraftLogits(
-                hidden[b, 1:].to(target_dtype), self.lm_head, self.projection_steps, self.token_map
-            )
+            DraftLogits(hidden[b], self.lm_head, self.projection_steps, self.token_map)
             for b in range(len(calls))
         ]
 
@@ -236,6 +251,10 @@ class _Attend:
         self._write(k, v)
         proposer, plan = self.proposer, self.plan
         size = proposer.block_size
+        if proposer.fused_attention and len(plan.slots) > 1:  # every block in one call
+            seqs = torch.tensor([(slot, size, end) for slot, end in zip(plan.slots, plan.ends)])
+            visible = plan.visible[:1].expand(q.shape[0], -1)
+            return tree_attention_batch(q, self.keys, self.values, visible, seqs, proposer.scale)
         out = []
         for b, (slot, end) in enumerate(zip(plan.slots, plan.ends)):
             query = q[b * size : (b + 1) * size]

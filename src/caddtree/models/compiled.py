@@ -355,13 +355,11 @@ class CompiledLayers:
         return self.target.slots == 1 and len(rows.slots) == 1
 
     def serves_batch(self, rows: Any) -> bool:
-        """Whether the batch graph takes ``rows`` (see :meth:`serves`): it needs caddtree's
-        attention kernel, and one row alone in a cache of several slots stays eager (a graph of
-        one row would be another compile)."""
+        """Whether the batch graphs take ``rows`` (see :meth:`serves`): calls of a cache of
+        several slots, where the target attends with caddtree's attention kernel."""
         return (
             self.target.fused_attention
             and not self._one_sequence(rows)
-            and sum(rows.counts) >= 2
             and not rows.causal
             and rows.length >= 2
         )
@@ -401,13 +399,16 @@ class CompiledLayers:
     def _batch_call(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Any
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The batch graph: one graph for every number of rows (2 or more), of sequences (its
-        ``seqs`` has 2 entries at least: a lone sequence gets an empty partner) and context."""
-        target = self.target
+        """The batch graphs: one for a lone row (a cache of several slots holding one
+        sequence that decodes plainly), one for every other number of rows; both for any number
+        of sequences (``seqs`` has 2 entries at least: a lone sequence gets an empty partner)
+        and any context."""
+        target, n = self.target, x.shape[0]
         slots, entries = rows.cache_entries()
         mask, seqs = rows.attention_inputs()
-        for tensor in (x, cos, sin, slots, entries, mask, seqs):
+        for tensor in (x, cos, sin, slots, entries, mask) if n > 1 else ():
             torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(seqs, 0)
         torch._dynamo.mark_dynamic(mask, 1)
         args = (
             target.layers,
@@ -424,7 +425,7 @@ class CompiledLayers:
             target.keys,
             target.values,
         )
-        return self._run("batch", _batch_layers, args)
+        return self._run("batch" if n > 1 else "batch row", _batch_layers, args)
 
     def _run(
         self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]
