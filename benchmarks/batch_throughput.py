@@ -14,8 +14,8 @@ The methods run in alternating order at each batch size, after an untimed warm-u
 ``ddtree-N`` is DDTree with budget N; ``caddtree`` uses the cost model cached for this machine
 and builds each request's tree as if it were alone; ``caddtree-joint`` chooses all the batch's
 trees with one joint budget (:func:`caddtree.core.tree.build_joint_caddtrees`), pricing a batch round
-with that one-sequence cost model (``BatchDecoder``'s stand-in until the batch cost model is
-measured).
+with the batch cost model of this machine (profiled once and cached, as ``caddtree serve`` does:
+:meth:`~caddtree.api.SpeculativeGenerator.cached_batch_cost_model`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ def policy(method: str, gen):
     return make_policy(method)
 
 
-def decode_all(gen, prompts: list[list[int]], method: str, batch: int, new: int) -> tuple:
+def decode_all(
+    gen, prompts: list[list[int]], method: str, batch: int, new: int, joint_model=None
+) -> tuple:
     """(seconds, tokens, rounds) for decoding every prompt, ``batch`` at a time."""
-    joint = gen.cost_model if method == "caddtree-joint" else None
+    joint = joint_model if method == "caddtree-joint" else None
     decoder = BatchDecoder(
         gen.verifier.target,
         gen.drafter,
@@ -75,8 +77,10 @@ def main() -> None:
         chat_template_ids(tokenizer, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
         for i in range(args.requests)
     ]
+    joint = gen.cached_batch_cost_model(max(args.batches)) if max(args.batches) > 1 else None
+    joint = joint or gen.cost_model
     for method in args.methods:  # warm-up
-        decode_all(gen, prompts[:2], method, 2, 8)
+        decode_all(gen, prompts[:2], method, 2, 8, joint)
     print(
         f"built-in pair, bfloat16, {gen.runtime} runtime, {torch.get_num_threads()} threads, "
         f"{args.requests} requests x {args.max_new_tokens} tokens, greedy"
@@ -85,7 +89,7 @@ def main() -> None:
     base: dict[str, float] = {}
     for k, batch in enumerate(args.batches):
         order = args.methods if k % 2 == 0 else list(reversed(args.methods))
-        results = {m: decode_all(gen, prompts, m, batch, args.max_new_tokens) for m in order}
+        results = {m: decode_all(gen, prompts, m, batch, args.max_new_tokens, joint) for m in order}
         for method in args.methods:
             seconds, tokens, rounds = results[method]
             rate = tokens / seconds

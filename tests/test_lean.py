@@ -250,3 +250,24 @@ def test_auto_picks_the_lean_runtime_on_the_cpu_only(qwen3):
             InvalidInputError, match=f"runtime '{runtime}' cannot run this target: why"
         ):
             runtime_choice(runtime, "cpu", "why")
+
+
+def test_compacting_several_slots_at_once_moves_what_one_at_a_time_moves():
+    """compact_many (a batch round's accepted paths, one gather and scatter per cache tensor)
+    leaves every slot as compact() of each slot in turn does: paths, prefixes and no move."""
+    model = qwen3_target("sdpa")
+    once, each = (LeanTarget(model, LAYERS) for _ in range(2))
+    for target in (once, each):
+        target.reserve(3, 40)
+        for cache in target.keys + target.values:
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(1)))
+    moves = [(0, 5, [0, 2, 5]), (1, 9, [0, 1, 2]), (2, 3, [0, 4, 6, 7])]
+    path = once.values[-1][2, :, [3, 7, 9, 10]].clone()  # slot 2's accepted entries
+    untouched = once.keys[1][1].clone()  # slot 1's path is a prefix: nothing moves
+    once.compact_many(moves)
+    for move in moves:
+        each.compact(*move)
+    for a, b in zip(once.keys + once.values, each.keys + each.values):
+        assert torch.equal(a, b)
+    assert torch.equal(once.values[-1][2, :, 3:7], path)
+    assert torch.equal(once.keys[1][1], untouched)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from filelock import FileLock
 
 from .core.cost import CostModel, load_cost_model
 from .core.sampling import Sampler
@@ -47,11 +46,11 @@ from .util.devices import (
     machine_description,
     resolve_device,
     resolve_dtype,
-    weights_digest,
 )
-from .util.errors import CaddtreeError, CheckpointError, InvalidInputError
+from .util.errors import CheckpointError, InvalidInputError
 
 if TYPE_CHECKING:
+    from .engine.batch_cost import BatchCostModel
     from .models.dflash import DFlashDraftModel
 
 # The model layer (transformers) is imported where a model is built, not here.
@@ -339,73 +338,28 @@ class SpeculativeGenerator:
     ) -> CostModel:
         """A cost model for this target, drafter, dtype and machine: read from the cache, or
         profiled once (with a progress bar) and cached. Says on stderr which of the two happened."""
-        import hashlib
-        import json
-        from pathlib import Path
+        from .profiles import cached_profile, cost_ident
 
-        from .models.kernels import amx_in_use, kernel_in_use, source_digest
-        from .util.defaults import cache_root
+        ident = {**cost_ident(self), "grid": {k: str(v) for k, v in sorted(kwargs.items())}}
 
-        ident = {
-            # the target by its path (for the built-in one, a cache directory named by the
-            # GGUF's contents); the drafter by its weights, not its path, so that a second clone
-            # or virtual environment, whose packaged drafter lies elsewhere, reuses the profile
-            "source": {"target": getattr(self, "source", {}).get("target")},
-            "drafter": weights_digest(self.drafter) if self.drafter is not None else None,
-            "target_config": self.target.config.get_text_config()
-            .to_dict()
-            .get("_name_or_path", ""),
-            "dtype": str(self.verifier.dtype),
-            # verification costs differ between attention implementations (sdpa, caddtree_sdpa)
-            "attention": getattr(self.target.config, "_attn_implementation", None),
-            # and with and without weights packed for oneDNN, and between runtimes
-            "packed_layers": self.packed_layers,
-            "runtime": self.runtime,
-            # and between caddtree's bfloat16 kernels and torch's (caddtree.models.kernels)
-            "linear_kernel": self.packed_layers > 0 and kernel_in_use(self.verifier.dtype),
-            "attention_kernel": self.runtime != "transformers"
-            and self.verifier.target.fused_attention,
-            "kernel_sources": source_digest() if kernel_in_use(self.verifier.dtype) else None,
-            "amx": kernel_in_use(self.verifier.dtype) and amx_in_use(),
-            "machine": machine_description(self.verifier.device),
-            "grid": {k: str(v) for k, v in sorted(kwargs.items())},
-            # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the
-            # compiled runtime checks its guards only when the cache changes (cheaper calls); 4:
-            # the drafter's pass runs on the lean arithmetic (a cheaper C_d). A model cached by
-            # an earlier profile is measured again once
-            "profiling": 4,
-        }
-        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-        path = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"
-        path = path / f"cost-{digest}.json"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # One profiling per cache entry at a time: two processes timing the machine at once
-            # would each measure the other's load and cache a fit that says rounds cost several
-            # times what they do. The second process waits here, then reads the first one's result.
-            with FileLock(str(path) + ".lock"):
-                if path.is_file():
-                    logger.info("using the cost model profiled earlier on this machine: %s", path)
-                    return load_cost_model(path)
-                if "context_lengths" not in kwargs:
-                    kwargs["context_lengths"] = self._default_profile_lengths()
-                settings = {"trials": 3, "warmup": 1, **kwargs}
-                logger.warning(
-                    "no cost model for this model pair and machine yet; profiling it once (%s), "
-                    "then caching it",
-                    self._profile_duration(settings),
-                )
-                model = self.profile(**settings)
-                if model.noisy:
-                    logger.warning("%s", model.noise_warning("measuring once more"))
-                    model = max(model, self.profile(**settings), key=lambda m: m.quality)
-                model.save(path)
-        except OSError as exc:  # e.g. a cache folder another user made, without write access
-            where = f" ({exc.filename})" if exc.filename else ""
-            raise CaddtreeError(
-                f"cannot use the cost-model cache in {path.parent}: {exc.strerror or exc}{where}; "
-                "make it writable for this user, or set CADDTREE_CACHE to a writable directory"
-            ) from None
+        def profile() -> CostModel:
+            if "context_lengths" not in kwargs:
+                kwargs["context_lengths"] = self._default_profile_lengths()
+            settings = {"trials": 3, "warmup": 1, **kwargs}
+            logger.warning(
+                "no cost model for this model pair and machine yet; profiling it once (%s), "
+                "then caching it",
+                self._profile_duration(settings),
+            )
+            model = self.profile(**settings)
+            if model.noisy:
+                logger.warning("%s", model.noise_warning("measuring once more"))
+                model = max(model, self.profile(**settings), key=lambda m: m.quality)
+            return model
+
+        path, model = cached_profile("cost", ident, cache_dir, profile)
+        if model is None:
+            return load_cost_model(path)
         logger.info("cost model saved to %s\n%s", path, model.fit_report())
         warning = model.noise_warning(
             f"measured twice. For a better fit, delete {path} and run again on a quiet machine."
@@ -413,6 +367,16 @@ class SpeculativeGenerator:
         if warning:
             logger.warning("%s", warning)
         return model
+
+    def cached_batch_cost_model(
+        self, max_batch: int, cache_dir: str | os.PathLike[str] | None = None
+    ) -> BatchCostModel:
+        """The batch cost model (:class:`~caddtree.engine.batch_cost.BatchCostModel`) of rounds
+        of 1 to ``max_batch`` requests on the lean runtimes: read from the cache, or profiled
+        once (with a progress bar) and cached."""
+        from .profiles import cached_batch_cost_model
+
+        return cached_batch_cost_model(self, max_batch, cache_dir)
 
     def _block(self) -> dict[str, int]:
         """The drafter's block size and the number of tokens it scores (its draft vocabulary, or

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from ..arguments import add_pair_arguments, load_pair
 from ..util.checks import MAX_TREE_NODES, check_int
@@ -46,6 +47,8 @@ def profile(args: argparse.Namespace) -> int:
         raise InvalidInputError("profiling needs --draft too: C_d is the drafter's cost")
     if args.context_window is not None:
         check_int("--context-window", args.context_window, minimum=2)
+    if args.batch is not None:
+        check_int("--batch", args.batch, minimum=1)
     gen = load_pair(
         args.target,
         args.draft,
@@ -99,7 +102,39 @@ def profile(args: argparse.Namespace) -> int:
     if warning:
         print(f"caddtree: warning: {warning}", file=sys.stderr)
     print(f"use it with: caddtree generate --method caddtree --cost-model {saved} PROMPT")
+    if args.batch is not None:
+        _profile_batches(gen, args, lengths, trials, warmup)
     return 0
+
+
+def _profile_batches(
+    gen: Any, args: argparse.Namespace, lengths: list[int], trials: int, warmup: int
+) -> None:
+    """``--batch N``: the batch cost model of rounds of up to N requests, saved beside --out."""
+    from pathlib import Path
+
+    from ..engine.batch_cost import profile_batch_cost_model
+    from ..models.batch_proposer import BatchProposer
+    from ..profiles import batch_sizes
+
+    if gen.runtime not in ("lean", "compiled"):
+        raise InvalidInputError("--batch needs the lean runtime (--runtime lean or compiled)")
+    sizes = batch_sizes(args.batch)
+    print(f"caddtree: profiling rounds of {sizes} requests", file=sys.stderr)
+    proposer = BatchProposer(gen.drafter, gen.target, args.batch)
+    model = profile_batch_cost_model(
+        gen.verifier.target,
+        proposer,
+        batches=sizes,
+        context_lengths=[n for n in lengths if n <= 1024] or lengths[:1],
+        trials=trials,
+        warmup=warmup,
+    )
+    out = Path(args.out)
+    saved = model.save(out.with_name(f"{out.stem}.batch.json"))
+    print("batched rounds: C_v(N; B, l) over the round's total nodes N, and C_d(B):")
+    print(model.fit_report())
+    print(f"saved the batch cost model to {saved}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -139,5 +174,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="a small grid (about a minute for a small model on a CPU): 3 context lengths, up to "
         "256 nodes, 3 trials, 1 warm-up",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        metavar="N",
+        help="also profile rounds of 1 to N requests at once (the server's --max-batch): the "
+        "batch cost model its joint budget prices rounds with, saved as <out>.batch.json",
     )
     p.set_defaults(handler=profile)

@@ -50,6 +50,7 @@ __all__ = [
     "ConvexCostModel",
     "CostModel",
     "PiecewiseLinearCurve",
+    "cost_model_from_dict",
     "load_cost_model",
 ]
 
@@ -494,7 +495,7 @@ def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
             raise CostModelError(
                 f"{path} is not a cost model: its JSON is nested too deeply"
             ) from None
-        return _from_json(data, path)
+        return cost_model_from_dict(data, path)
     if raw[:2] == b"PK" or raw[:1] == b"\x80":  # torch zip archive, or legacy torch pickle stream
         return _from_published_torch(path)
     raise CostModelError(
@@ -503,7 +504,10 @@ def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
     )
 
 
-def _from_json(data: Any, path: Path) -> CostModel:
+def cost_model_from_dict(data: Any, path: Path | str) -> CostModel:
+    """The cost model of a parsed JSON document ``data`` (as :meth:`CostModel.to_dict` made it),
+    checked; ``path`` names where it came from in the errors."""
+
     def bad(msg: str) -> CostModelError:
         return CostModelError(f"{path}: {msg}")
 

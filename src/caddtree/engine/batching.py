@@ -36,9 +36,10 @@ from ..core.tree import DraftTree, build_joint_caddtrees, verification_rows
 from ..models.batch_proposer import BatchProposer, DraftCall
 from ..models.drafts import DraftLogits
 from ..models.lean import LeanTarget, Rows
-from ..models.target import tree_position_ids
+from ..models.rows import tree_rows
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
+from .batch_cost import BatchCostModel
 from .decoding import RoundStats, stop_point
 from .requests import GenerationRequest
 
@@ -81,7 +82,7 @@ class BatchDecoder:
         *,
         max_batch: int,
         capacity: int,
-        joint_cost_model: CostModel | None = None,
+        joint_cost_model: CostModel | BatchCostModel | None = None,
         joint_max_nodes: int = 256,
         progress: bool = False,
     ) -> None:
@@ -171,7 +172,7 @@ class BatchDecoder:
             _first_nodes(t, self.capacity - r.length - 1) for r, t in zip(self._running, trees)
         ]
         rows = Rows.batch(
-            [_tree_rows(r.slot, r.length, r.bonus, t) for r, t in zip(self._running, trees)],
+            [tree_rows(r.slot, r.length, r.bonus, t) for r, t in zip(self._running, trees)],
             self.target.device,
         )
         drafted = time.perf_counter()
@@ -180,10 +181,13 @@ class BatchDecoder:
         finished, offset, committed, batch = [], 0, 0, len(self._running)
         greedy = any(plain_greedy(r.request.sampler) for r in self._running)
         choices = greedy_choices(logits).tolist() if greedy else None  # one call for all rows
+        moves = []  # every request's accepted path, compacted in one go
         for running, tree in zip(list(self._running), trees):
             n = len(tree) + 1
             rows = slice(offset, offset + n)
-            self._walk(running, tree, logits[rows], features[rows], choices and choices[rows])
+            moves.append(
+                self._walk(running, tree, logits[rows], features[rows], choices and choices[rows])
+            )
             offset += n
             stats = running.request.round_stats[-1]
             stats.draft_s, stats.forward_s = drafted - start, forward_s
@@ -192,6 +196,7 @@ class BatchDecoder:
             if running.request.stop_reason is not None:
                 self._leave(running)
                 finished.append(running.request)
+        self.target.compact_many([m for m in moves if m is not None])
         if joint is not None:
             self._remember_rate(batch, drafts, committed, time.perf_counter() - start)
         return finished
@@ -285,23 +290,28 @@ class BatchDecoder:
         build_joint_caddtrees`), when the decoder has a ``joint_cost_model`` and every running
         request is a CaDDTree one; ``None`` otherwise.
 
-        Until the batch cost model (C_v over total rows and sequences) is measured, a batch of
-        ``B`` requests with ``n`` nodes in all is priced as one sequence's verification with
-        ``B - 1 + n`` nodes (the other requests' bonus rows counted as nodes) at the mean context,
-        plus the drafter pass of ``B`` sequences as this decoder has timed it (the median of its
-        last passes of that size; before three of them, ``B`` single-sequence passes)."""
+        A round of ``B`` requests with ``n`` nodes in all is priced by the measured batch cost
+        model (:class:`~caddtree.engine.batch_cost.BatchCostModel`: ``C_v(n; B, context)`` at the
+        mean context), or, given a one-sequence model, as one sequence's verification with
+        ``B - 1 + n`` nodes (the other requests' bonus rows counted as nodes); plus the drafter
+        pass of ``B`` sequences as this decoder has timed it (the median of its last passes of
+        that size; before three of them, the model's)."""
         model, running = self.joint_cost_model, self._running
         if model is None or any(r.request.policy.name != "caddtree" for r in running):
             return None
         batch = len(running)
         context = int(np.mean([r.length for r in running]))
-        table = model.round_cost_table(context, batch - 1 + self.joint_max_nodes)
+        if isinstance(model, BatchCostModel):
+            verify = model.verify_cost_table(batch, context, self.joint_max_nodes)
+        else:
+            table = model.round_cost_table(context, batch - 1 + self.joint_max_nodes)
+            verify = table[batch - 1 :] - model.draft_cost
         drafting = sum(d is not None for d in drafts)
-        costs = table[batch - 1 :] - model.draft_cost + self._draft_cost(drafting, model)
+        costs = verify + self._draft_cost(drafting, model)
         present = [d for d in drafts if d is not None]
         chosen = build_joint_caddtrees(present, costs, self.joint_max_nodes)
         if present:  # a round that drafted: did it pay?
-            self._judge_drafting(chosen, costs, table[batch - 1] - model.draft_cost)
+            self._judge_drafting(chosen, costs, float(verify[0]))
         built = iter(chosen)
         return [
             d.in_target_ids(next(built)) if d is not None else DraftTree.empty() for d in drafts
@@ -327,12 +337,17 @@ class BatchDecoder:
         if drafted < batch / plain_cost:
             self._skip = (batch, _SKIP_ROUNDS)
 
-    def _draft_cost(self, sequences: int, model: CostModel) -> float:
-        """Seconds of a drafter pass of ``sequences`` sequences: the median of the last timed
-        ones, or ``sequences`` one-sequence passes of ``model`` before there are three."""
+    def _draft_cost(self, sequences: int, model: CostModel | BatchCostModel) -> float:
+        """Seconds of a drafter pass of ``sequences`` sequences (0: none): the median of the
+        last timed ones, or before there are three, ``model``'s (a one-sequence model's for each
+        sequence)."""
         timed = self._draft_times.get(sequences, ())
+        if not sequences:
+            return 0.0
         if len(timed) >= 3:
             return float(np.median(timed))
+        if isinstance(model, BatchCostModel):
+            return model.draft_cost(sequences)
         return sequences * model.draft_cost
 
     def _walk(
@@ -342,7 +357,10 @@ class BatchDecoder:
         logits: torch.Tensor,
         features: torch.Tensor,
         choices: list[int] | None,
-    ) -> None:
+    ) -> tuple[int, int, list[int]] | None:
+        """Walk ``running``'s tree and commit what it accepts; returns the cache move of its
+        accepted path (:meth:`~caddtree.models.lean.LeanTarget.compact_many`), ``None`` for a
+        request that is done."""
         request = running.request
         nodes, next_bonus = walk_tree(tree, logits, request.sampler, running.context, choices)
         tokens = [int(tree.token_ids[k]) for k in nodes] + [next_bonus]
@@ -363,16 +381,18 @@ class BatchDecoder:
                 path=nodes,
             )
         )
-        if request.stop_reason is None:
-            rows = verification_rows(nodes)
-            self.target.compact(running.slot, running.length, rows)
-            running.length += len(rows)
-            accepted = features[torch.tensor(rows, device=features.device)]
-            # the drafter has not seen them yet: kept (with any of rounds it skipped) until it has
-            if request.policy.needs_drafter:
-                accepted = torch.cat([running.features, accepted])
-            running.features = accepted
-            running.bonus = next_bonus
+        if request.stop_reason is not None:
+            return None
+        rows = verification_rows(nodes)
+        move = (running.slot, running.length, rows)
+        running.length += len(rows)
+        accepted = features[torch.tensor(rows, device=features.device)]
+        # the drafter has not seen them yet: kept (with any of rounds it skipped) until it has
+        if request.policy.needs_drafter:
+            accepted = torch.cat([running.features, accepted])
+        running.features = accepted
+        running.bonus = next_bonus
+        return move
 
     def _commit_tokens(self, running: _Running, tokens: list[int]) -> None:
         """Append the tokens the output keeps (up to a stop token, a stopping criterion or the
@@ -399,12 +419,3 @@ def _first_nodes(tree: DraftTree, count: int) -> DraftTree:
         tree.log_probs[:count],
         tree.ranks[:count],
     )
-
-
-def _tree_rows(
-    slot: int, start: int, bonus: int, tree: DraftTree
-) -> tuple[int, int, list[int], list[int], np.ndarray | None]:
-    """One sequence of a verification call: ``[bonus] + tree`` after ``start`` cache entries."""
-    tokens = [int(bonus), *(int(t) for t in tree.token_ids)]
-    positions = tree_position_ids(tree, start).tolist()
-    return slot, start, tokens, positions, tree.visibility_mask() if len(tree) else None

@@ -188,7 +188,7 @@ class LeanTarget:
 
         kept = (self.keys, self.values, self._written, self.slots, self.capacity)
         self.release()
-        self.reserve(slots, 0)
+        self.reserve(max(slots, kept[3]), 0)  # the slots reserve() will give (never fewer)
         try:
             with compile_progress(progress, 2) as bar:
                 bar.set_postfix_str(f"batches of up to {slots} sequences")
@@ -250,9 +250,11 @@ class LeanTarget:
     def _clear_garbage(self, rows: Rows) -> None:
         """Zero the entries a call attends over that were never written (see :meth:`reserve`);
         then count the call's own rows as written."""
-        length = rows.length
+        # a batched call through SDPA attends over the longest sequence's entries; the
+        # attention kernel reads each sequence's own
+        padded = len(rows.slots) > 1 and not self.fused_attention
         for slot, start, count in zip(rows.slots, rows.starts, rows.counts):
-            reach = length if len(rows.slots) > 1 else start
+            reach = rows.length if padded else start
             written = self._written[slot]
             if written < reach:
                 for cache in self.keys + self.values:
@@ -268,13 +270,26 @@ class LeanTarget:
     def compact(self, slot: int, prefix: int, keep: Sequence[int]) -> None:
         """In ``slot``, move entries ``prefix + keep[i]`` to ``prefix + i`` (an accepted path of
         a verified tree; ``keep`` in increasing order). A prefix of ``0, 1, ..`` moves nothing."""
-        keep = [int(i) for i in keep]
-        if keep == list(range(len(keep))):
+        self.compact_many([(slot, prefix, keep)])
+
+    @torch.no_grad()
+    def compact_many(self, moves: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """:meth:`compact` of several slots, ``(slot, prefix, keep)`` each, in one gather and
+        one scatter per cache tensor."""
+        slots: list[int] = []
+        targets: list[int] = []
+        sources: list[int] = []
+        for slot, prefix, keep in moves:
+            keep = [int(i) for i in keep]
+            if keep != list(range(len(keep))):
+                slots += [int(slot)] * len(keep)
+                targets += range(prefix, prefix + len(keep))
+                sources += [prefix + i for i in keep]
+        if not slots:
             return
-        index = torch.tensor(keep, device=self.device) + prefix
-        end = prefix + len(keep)
+        index = torch.tensor([slots, targets, sources], device=self.device)
         for cache in self.keys + self.values:
-            cache[slot, :, prefix:end] = cache[slot].index_select(1, index)
+            cache[index[0], :, index[1]] = cache[index[0], :, index[2]]
 
     def _ensure_positions(self, needed: int) -> None:
         """Rotary tables for positions ``0 .. needed - 1`` at least, by the model's own module."""

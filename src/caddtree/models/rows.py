@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..core.tree import DraftTree
 from ..util.errors import InvalidInputError
+from .target import tree_position_ids
 
-__all__ = ["Rows"]
+__all__ = ["Rows", "tree_rows"]
 
 
 @dataclass
@@ -180,3 +182,12 @@ def _visibility(visibility: np.ndarray | torch.Tensor | None, n: int) -> torch.T
     if visible.shape != (n, n):
         raise InvalidInputError(f"a visibility of shape {tuple(visible.shape)} for {n} rows")
     return visible
+
+
+def tree_rows(
+    slot: int, start: int, bonus: int, tree: DraftTree
+) -> tuple[int, int, list[int], list[int], np.ndarray | None]:
+    """One sequence of a verification call (for :meth:`Rows.batch`): ``[bonus] + tree`` after ``start`` cache entries."""
+    tokens = [int(bonus), *(int(t) for t in tree.token_ids)]
+    positions = tree_position_ids(tree, start).tolist()
+    return slot, start, tokens, positions, tree.visibility_mask() if len(tree) else None

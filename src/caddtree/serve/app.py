@@ -80,6 +80,7 @@ def build_app(
     max_queue: int = 8,
     max_batch: int = 1,
     batch_budget: str = "joint",
+    joint_cost_model: Any = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     retry_after_s: int = 1,
     cost_model_dir: str | os.PathLike[str] | None = None,
@@ -98,8 +99,9 @@ def build_app(
     directory they may name none).
     ``max_batch`` requests generate at once (above 1: :class:`~caddtree.serve.batch_engine.
     BatchEngine`, one target forward per round for all of them; it needs the lean runtime), their
-    CaDDTree trees sized by one joint budget from ``generator.cost_model`` (``batch_budget``
-    ``"joint"``) or each by its own (``"per-request"``);
+    CaDDTree trees sized by one joint budget (``batch_budget`` ``"joint"``; priced by
+    ``joint_cost_model``, a :class:`~caddtree.engine.batch_cost.BatchCostModel`, else by
+    ``generator.cost_model``) or each by its own (``"per-request"``);
     ``max_queue`` more may wait for a slot; one more gets HTTP 503 with
     ``Retry-After: retry_after_s``. ``torch_thread``: the one-thread executor that loaded the
     models, to generate on (see :class:`~caddtree.serve.engine.Engine`). A body larger than ``max_request_bytes`` gets HTTP 413 before
@@ -112,9 +114,8 @@ def build_app(
     proposer = getattr(generator, "proposer", None)
     positions = max(int(getattr(proposer, "block_size", 1)) - 1, 0) if proposer else 0
     metrics = ServerMetrics(model_name, positions)
-    engine = _make_engine(
-        generator, metrics, max_batch, batch_budget, max_queue, on_round, torch_thread
-    )
+    joint = (batch_budget == "joint", joint_cost_model)
+    engine = _make_engine(generator, metrics, max_batch, joint, max_queue, on_round, torch_thread)
     defaults = _Defaults(
         method=method,
         budget=DEFAULT_DDTREE_BUDGET if budget is None else int(budget),
@@ -154,12 +155,13 @@ def _make_engine(
     generator: Any,
     metrics: ServerMetrics,
     max_batch: int,
-    batch_budget: str,
+    joint: tuple[bool, Any],
     max_queue: int,
     on_round: Any,
     torch_thread: Any,
 ) -> Engine:
-    """The generation worker: one job at a time, or a batch of ``max_batch``."""
+    """The generation worker: one job at a time, or a batch of ``max_batch`` (``joint``: whether
+    its CaDDTree rounds take one joint budget, and the model that prices them)."""
     if max_batch > 1:
         from .batch_engine import BatchEngine
 
@@ -167,7 +169,8 @@ def _make_engine(
             generator,
             metrics,
             max_batch=max_batch,
-            joint_budget=batch_budget == "joint",
+            joint_budget=joint[0],
+            joint_cost_model=joint[1],
             max_queue=max_queue,
             on_round=on_round,
             torch_thread=torch_thread,

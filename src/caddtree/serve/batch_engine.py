@@ -43,8 +43,9 @@ class BatchEngine(Engine):
     """Runs up to ``max_batch`` :class:`Job` s at once (see the module docstring); ``max_queue``
     more may wait for a slot, one more is refused (:class:`~caddtree.serve.engine.QueueFull`).
     ``joint_budget``: rounds whose requests are all CaDDTree ones size their trees with one joint
-    budget from the generator's cost model (``joint_cost_model`` of
-    :class:`~caddtree.engine.batching.BatchDecoder`)."""
+    budget (``joint_cost_model`` of :class:`~caddtree.engine.batching.BatchDecoder`): priced by
+    ``joint_cost_model`` (a :class:`~caddtree.engine.batch_cost.BatchCostModel`), else by the
+    generator's one-sequence cost model."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class BatchEngine(Engine):
         *,
         max_batch: int,
         joint_budget: bool = True,
+        joint_cost_model: Any = None,
         max_queue: int = 8,
         on_round: Any = None,
         torch_thread: Any = None,
@@ -72,7 +74,7 @@ class BatchEngine(Engine):
             generator.drafter,
             max_batch=self.max_batch,
             capacity=int(verifier.max_positions or 8192),
-            joint_cost_model=generator.cost_model if joint_budget else None,
+            joint_cost_model=(joint_cost_model or generator.cost_model) if joint_budget else None,
             progress=True,
         )
         self._active: list[_Active] = []

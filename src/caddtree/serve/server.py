@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import socket
+import statistics
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ __all__ = ["add_arguments", "load_generator", "main"]
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 8
+AUTO_MAX_BATCH = 8
+"""The largest batch ``--max-batch auto`` considers (each slot holds a whole context's cache)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -52,10 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-batch",
-        type=int,
-        default=1,
+        type=_max_batch,
+        default="auto",
         help="requests generated at once, each round one target forward for all of them (lean "
-        "runtime; default 1: one at a time)",
+        "runtime; 1: one at a time). Default 'auto': the batch size whose rounds measure the most "
+        f"tokens per second on this machine, up to {AUTO_MAX_BATCH} (profiled once with the batch "
+        "cost model, then cached); 1 where the target runs on transformers' forward",
     )
     parser.add_argument(
         "--batch-budget",
@@ -124,7 +129,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
     check_int("--max-new-tokens", args.max_new_tokens)
     check_int("--max-queue", args.max_queue, minimum=0)
     check_int("--max-request-bytes", args.max_request_bytes)
-    check_int("--max-batch", args.max_batch)
+    if args.max_batch != "auto":
+        check_int("--max-batch", args.max_batch)
     check_int("--retry-after", args.retry_after, minimum=0)
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be in 0..65535, got {args.port}")
@@ -173,6 +179,41 @@ def _url(sock: socket.socket) -> str:
     return f"http://{host}:{port}/v1"
 
 
+def _max_batch(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number or 'auto', got {text!r}"
+        ) from None
+
+
+def _batching(gen: Any, args: argparse.Namespace) -> tuple[int, Any]:
+    """(max_batch, the model that prices the joint budget's rounds). ``--max-batch auto``: the
+    batch cost model's :meth:`~caddtree.engine.batch_cost.BatchCostModel.best_batch` at the
+    contexts it profiled (measured once on this machine, then cached); 1 where batching cannot
+    run (transformers' forward) or has no drafter to price rounds with. The batch cost model
+    prices joint rounds where there is one: several requests at once, the joint budget, the
+    lean runtimes and a drafter, and no ``--cost-model`` (that file prices them then, as one
+    sequence's rounds)."""
+    batching = gen.runtime in ("lean", "compiled") and gen.drafter is not None
+    max_batch, model = args.max_batch, None
+    if max_batch == "auto":
+        if not batching:
+            return 1, None
+        model = gen.cached_batch_cost_model(AUTO_MAX_BATCH)
+        contexts = model.metadata.get("context_lengths") or [256]
+        max_batch = model.best_batch(int(statistics.median(contexts)))
+        print(f"caddtree: --max-batch auto: {max_batch} on this machine", file=sys.stderr)
+    if max_batch < 2 or args.batch_budget != "joint" or args.cost_model is not None:
+        return max_batch, None
+    if not batching:
+        return max_batch, None
+    return max_batch, model or gen.cached_batch_cost_model(max_batch)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load, then serve until interrupted (``args`` from a parser given :func:`add_arguments`)."""
     import uvicorn
@@ -185,6 +226,7 @@ def serve(args: argparse.Namespace) -> int:
     torch_thread = ThreadPoolExecutor(1, thread_name_prefix="caddtree-generate")
     try:
         gen, name = torch_thread.submit(load_generator, args).result()
+        max_batch, joint = torch_thread.submit(_batching, gen, args).result()
         app = torch_thread.submit(
             build_app,
             gen,
@@ -195,8 +237,9 @@ def serve(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             max_queue=args.max_queue,
-            max_batch=args.max_batch,
+            max_batch=max_batch,
             batch_budget=args.batch_budget,
+            joint_cost_model=joint,
             max_request_bytes=args.max_request_bytes,
             retry_after_s=args.retry_after,
             cost_model_dir=args.cost_model_dir,

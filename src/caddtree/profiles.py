@@ -1,0 +1,125 @@
+"""Cost models cached per machine: what a profile depends on (:func:`cost_ident`, its cache
+key), one profile per cache file at a time (:func:`cached_profile`), and the batch cost model of
+a generator (:func:`cached_batch_cost_model`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from filelock import FileLock
+
+from .models.kernels import amx_in_use, kernel_in_use, source_digest
+from .util.defaults import cache_root
+from .util.devices import machine_description, weights_digest
+from .util.errors import CaddtreeError, InvalidInputError
+
+if TYPE_CHECKING:
+    from .engine.batch_cost import BatchCostModel
+
+__all__ = ["batch_sizes", "cached_batch_cost_model", "cached_profile", "cost_ident"]
+
+logger = logging.getLogger("caddtree.api")
+
+
+def cost_ident(gen: Any) -> dict[str, Any]:
+    """What a profile of ``gen`` (a :class:`~caddtree.api.SpeculativeGenerator`) on this machine
+    depends on: its cache key's contents."""
+    return {
+        # the target by its path (for the built-in one, a cache directory named by the
+        # GGUF's contents); the drafter by its weights, not its path, so that a second clone
+        # or virtual environment, whose packaged drafter lies elsewhere, reuses the profile
+        "source": {"target": getattr(gen, "source", {}).get("target")},
+        "drafter": weights_digest(gen.drafter) if gen.drafter is not None else None,
+        "target_config": gen.target.config.get_text_config().to_dict().get("_name_or_path", ""),
+        "dtype": str(gen.verifier.dtype),
+        # verification costs differ between attention implementations (sdpa, caddtree_sdpa)
+        "attention": getattr(gen.target.config, "_attn_implementation", None),
+        # and with and without weights packed for oneDNN, and between runtimes
+        "packed_layers": gen.packed_layers,
+        "runtime": gen.runtime,
+        # and between caddtree's bfloat16 kernels and torch's (caddtree.models.kernels)
+        "linear_kernel": gen.packed_layers > 0 and kernel_in_use(gen.verifier.dtype),
+        "attention_kernel": gen.runtime != "transformers" and gen.verifier.target.fused_attention,
+        "kernel_sources": source_digest() if kernel_in_use(gen.verifier.dtype) else None,
+        "amx": kernel_in_use(gen.verifier.dtype) and amx_in_use(),
+        "machine": machine_description(gen.verifier.device),
+        # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the
+        # compiled runtime checks its guards only when the cache changes (cheaper calls); 4:
+        # the drafter's pass runs on the lean arithmetic (a cheaper C_d). A model cached by
+        # an earlier profile is measured again once
+        "profiling": 4,
+    }
+
+
+def cached_profile(
+    kind: str,
+    ident: dict[str, Any],
+    cache_dir: str | os.PathLike[str] | None,
+    profile: Callable[[], Any],
+) -> tuple[Any, Any]:
+    """(path, model): the cache file of ``kind`` for ``ident`` and the model ``profile()``
+    made and saved there, or ``None`` where the file existed already (read it). One profile
+    per file at a time: two processes timing the machine at once would each measure the
+    other's load and cache a fit that says rounds cost several times what they do, so the
+    second waits for the first's file."""
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"
+    path = folder / f"{kind}-{digest}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            if path.is_file():
+                logger.info("using the %s model profiled earlier on this machine: %s", kind, path)
+                return path, None
+            model = profile()
+            model.save(path)
+    except OSError as exc:  # e.g. a cache folder another user made, without write access
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise CaddtreeError(
+            f"cannot use the cost-model cache in {path.parent}: {exc.strerror or exc}{where}; "
+            "make it writable for this user, or set CADDTREE_CACHE to a writable directory"
+        ) from None
+    return path, model
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes a batch cost model for rounds of up to ``max_batch`` requests profiles:
+    1, the powers of two below ``max_batch``, and ``max_batch`` (interpolated between)."""
+    return sorted({1, int(max_batch), *(2**k for k in range(1, 10) if 2**k < max_batch)})
+
+
+def cached_batch_cost_model(
+    gen: Any, max_batch: int, cache_dir: str | os.PathLike[str] | None = None
+) -> BatchCostModel:
+    """:meth:`SpeculativeGenerator.cached_batch_cost_model <caddtree.api.SpeculativeGenerator.
+    cached_batch_cost_model>`, over :func:`batch_sizes`."""
+    from .engine.batch_cost import BatchCostModel, profile_batch_cost_model
+    from .models.batch_proposer import BatchProposer
+
+    if gen.runtime not in ("lean", "compiled") or gen.drafter is None:
+        raise InvalidInputError("a batch cost model needs the lean runtime and a drafter")
+    batches = batch_sizes(max_batch)
+    ident = {**cost_ident(gen), "batches": batches}
+
+    def profile() -> BatchCostModel:
+        logger.warning(
+            "no batch cost model for this model pair and machine yet; profiling it once "
+            "(batch sizes %s), then caching it",
+            batches,
+        )
+        proposer = BatchProposer(gen.drafter, gen.target, max_batch)
+        model = profile_batch_cost_model(gen.verifier.target, proposer, batches=batches)
+        gen.verifier.reset()  # the profile let the target's cache go
+        return model
+
+    path, model = cached_profile("batch-cost", ident, cache_dir, profile)
+    if model is None:
+        return BatchCostModel.load(path)
+    logger.info("batch cost model saved to %s\n%s", path, model.fit_report())
+    return model
