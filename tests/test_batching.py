@@ -198,6 +198,15 @@ def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
     batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001)
     assert batch._skip == (0, 0)
     batch._rates[(2, False)] = deque([(4, 0.5)] * 4)  # now plain rounds are faster
+    windows = []
+    for _ in range(7):  # each judgement in a row against drafting doubles the window, up to 16x
+        batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), plain_cost=10.0)
+        windows.append(batch._skip[1])
+    assert batch._skip[0] == 2
+    assert windows == [batching._SKIP_ROUNDS * k for k in (1, 2, 4, 8, 16, 16, 16)]
+    batch._rates[(2, False)] = deque([(4, 2.0)] * 4)  # drafting faster again: back to 1x
+    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001)
+    batch._rates[(2, False)] = deque([(4, 0.5)] * 4)
     batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), plain_cost=10.0)
     assert batch._skip == (2, batching._SKIP_ROUNDS)
 

@@ -85,6 +85,32 @@ def test_amx_is_used_where_the_cpu_has_it_unless_turned_off():
     assert in_use(CADDTREE_AMX="1") == str(has_amx)
 
 
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 15), (2, 16), (7, 33), (12, 49152)])
+def test_the_greedy_choice_kernel_is_torch_argmax(rows, vocab):
+    """argmax_rows on bfloat16 logits: torch.argmax's index in every row, the first on ties
+    (inside a vector and across them), with infinities, and the first NaN where there is one."""
+    logits = (
+        torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    ).bfloat16()
+    if rows >= 7 and vocab >= 33:
+        logits[0, [3, 20, vocab - 1]] = logits[0].max() + 1  # ties, the first of them wins
+        logits[1] = 1.0
+        logits[2] = float("-inf")
+        logits[3, [2, 30]] = float("inf")
+        logits[4, [9, 31]] = float("nan")
+        logits[5, vocab - 1] = float("nan")  # in the tail
+        logits[6, 17] = float("inf")
+    chosen = kernels.argmax_rows(logits)
+    if kernels.kernel_variant() != "avx512-bf16":
+        assert chosen is None  # the AVX2 build leaves it to torch
+        return
+    assert torch.equal(chosen, torch.argmax(logits.float(), -1))
+    assert kernels.argmax_rows(logits.float()) is None
+    from caddtree.core.sampling import greedy_choices
+
+    assert torch.equal(greedy_choices(logits), chosen)
+
+
 def test_inputs_of_any_shape_and_layout():
     weight, bias = weights(64, 40)
     packed = kernels.pack_rows(weight)

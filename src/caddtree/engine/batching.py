@@ -48,6 +48,7 @@ __all__ = ["BatchDecoder", "GenerationRequest"]
 _DRAFT_TIMES = 16  # drafter passes remembered per batch size, for the joint budget's pricing
 _SKIP_ROUNDS = 8  # rounds without drafting after a joint round where drafting did not pay
 _RATE_ROUNDS = 16  # joint rounds remembered per batch size and kind, for the measured rates
+_MAX_BACKOFF = 4  # skip windows double while drafting keeps measuring slower, up to 16x
 
 
 @dataclass(eq=False)
@@ -98,6 +99,9 @@ class BatchDecoder:
         self._free = list(range(self.max_batch))
         self._draft_times: dict[int, deque[float]] = {}  # drafter pass seconds, by sequences
         self._skip = (0, 0)  # (batch size, rounds left) that decode without drafting
+        self._slower: dict[
+            int, int
+        ] = {}  # by batch size: measured judgements in a row against drafting
         # (batch size, drafted) -> (tokens committed, seconds) of recent joint rounds
         self._rates: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
         self._running: list[_Running] = []
@@ -321,16 +325,22 @@ class BatchDecoder:
         """After a joint round that drafted: whether the next :data:`_SKIP_ROUNDS` rounds of this
         batch size decode plainly without drafting (then the drafter is tried again). Once rounds
         of both kinds have been timed at this batch size, the measured tokens per second decide
-        (the cost model's surrogate can misjudge both acceptance and this engine's costs);
-        before, the cost model does: skip when the round's surrogate, drafting included, is below
+        (the cost model's surrogate can misjudge both acceptance and this engine's costs), and
+        each time in a row they find drafting slower the window doubles (up to 16 times), so a
+        batch size where drafting never pays spends ever fewer rounds trying it; before, the
+        cost model does: skip when the round's surrogate, drafting included, is below
         batched plain decoding's without a drafter pass (``len(requests) / plain_cost``). Where
         drafting cannot pay (large batches on a few cores), the batch runs at batched AR's speed
         instead of paying for drafts it verifies none of."""
         batch = len(self._running)
         measured = self._measured_rates(batch)
         if measured is not None:  # both kinds of round measured: the faster one wins
-            if measured[1] > measured[0]:
-                self._skip = (batch, _SKIP_ROUNDS)
+            if measured[1] > measured[0]:  # each time in a row, a window twice as long
+                streak = self._slower.get(batch, 0)
+                self._skip = (batch, _SKIP_ROUNDS << min(streak, _MAX_BACKOFF))
+                self._slower[batch] = streak + 1
+            else:
+                self._slower[batch] = 0
             return
         nodes = sum(len(t) for t in trees)
         drafted = (batch + sum(t.phi for t in trees)) / costs[nodes]

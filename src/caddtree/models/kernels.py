@@ -50,6 +50,7 @@ from ..util.files import atomic_write
 __all__ = [
     "GROUP",
     "amx_in_use",
+    "argmax_rows",
     "attention_fits",
     "cxx_compiler",
     "kernel_available",
@@ -315,6 +316,22 @@ def amx_in_use() -> bool:
     Rapids; for weights of a multiple of 32 inputs), decided once per process:
     ``CADDTREE_AMX=0`` turns it off."""
     return kernel_available() and bool(torch.ops.caddtree.amx_in_use())
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """``torch.argmax(logits, -1)`` of bfloat16 CPU logits [N, V] (the first index on ties, the
+    first NaN if any) without widening them to float32 first, where the AVX512-BF16 build runs;
+    ``None`` elsewhere (the caller takes torch's)."""
+    if (
+        logits.dtype is not torch.bfloat16
+        or logits.device.type != "cpu"
+        or logits.dim() != 2
+        or not logits.shape[1]
+        or not kernel_available()
+        or not hasattr(torch.ops.caddtree, "argmax_rows")
+    ):
+        return None
+    return torch.ops.caddtree.argmax_rows(logits)
 
 
 def kernel_in_use(dtype: torch.dtype) -> bool:

@@ -32,8 +32,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -203,6 +205,76 @@ TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
   m.impl("linear_bf16", &caddtree_linear::linear_op<Kernel>);
 }
 
+// ---- greedy choices -------------------------------------------------------------------------------
+// caddtree::argmax_rows: per row of bfloat16 logits [N, V], the index of the largest value (the
+// first on ties; the first NaN if there is one), as torch.argmax gives; without widening the
+// logits to float32 first (a batched round's N x 49,152 logits took 1.3 ms that way).
+
+namespace caddtree_argmax {
+
+int64_t argmax_row(const uint16_t* row, int64_t V) {
+  const auto widen = [](uint16_t b) {
+    float f;
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  int64_t best_i = 0;
+  float best = widen(row[0]);
+  int64_t j = 0;
+  if (V >= 16) {
+    const auto load = [&](int64_t at) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + at));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    };
+    __m512 top = load(0);
+    __m512i top_i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i at = top_i;
+    __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+    for (j = 16; j + 16 <= V; j += 16) {
+      at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+      const __m512 x = load(j);
+      const __mmask16 greater = _mm512_cmp_ps_mask(x, top, _CMP_GT_OQ);  // strict: first kept
+      top = _mm512_mask_blend_ps(greater, top, x);
+      top_i = _mm512_mask_blend_epi32(greater, top_i, at);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    }
+    if (nan) {  // torch.argmax takes the first NaN
+      for (int64_t k = 0; k < V; ++k) {
+        if (std::isnan(widen(row[k]))) return k;
+      }
+    }
+    best = _mm512_reduce_max_ps(top);
+    const __mmask16 tied = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_i = _mm512_mask_reduce_min_epi32(tied, top_i);  // the first index among the lanes
+  }
+  for (; j < V; ++j) {  // the tail's indices come after every lane's: strictly greater wins
+    const float x = widen(row[j]);
+    if (std::isnan(x)) return j;
+    if (x > best) best = x, best_i = j;
+  }
+  return best_i;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits_in) {
+  TORCH_CHECK(logits_in.device().is_cpu() && logits_in.scalar_type() == at::kBFloat16 &&
+                  logits_in.dim() == 2 && logits_in.size(1) > 0,
+              "argmax_rows: bfloat16 CPU logits [N, V] with V > 0 expected, got ",
+              logits_in.scalar_type(), " ", logits_in.sizes());
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t N = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({N}, logits.options().dtype(at::kLong));
+  const auto* bits = reinterpret_cast<const uint16_t*>(logits.const_data_ptr());
+  int64_t* chosen = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, N, std::max<int64_t>(1, (1 << 16) / V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) chosen[r] = argmax_row(bits + r * V, V);
+  });
+  return out;
+}
+
+}  // namespace caddtree_argmax
+
 TORCH_LIBRARY_FRAGMENT(caddtree, m) {
   m.def("amx_in_use() -> bool", [] { return amx_allowed(); });
+  m.def("argmax_rows(Tensor logits) -> Tensor", &caddtree_argmax::argmax_rows);
 }
