@@ -275,7 +275,13 @@ def test_the_compiled_batch_graph_decodes_each_request_as_it_decodes_alone():
     for request in done:
         assert request.output == alone[PROMPTS.index(list(request.prompt_ids))], request.policy.name
     assert any(len(rows.slots) > 1 and max(rows.counts) > 1 for rows in calls)  # trees batched
-    # no recompile: one graph for lone rows, one for the rest
+    # no recompile: one graph for lone rows, one for the rest, whose guards (checked again here)
+    # pass for one sequence's tree as for several sequences'
+    target.compiled._checked.clear()
+    calls.clear()
+    (lone,) = batch.run([GenerationRequest(PROMPTS[1], make_policy("ddtree", budget=4), 12)])
+    assert any(len(rows.slots) == 1 and rows.counts[0] > 1 for rows in calls)
+    assert lone.output == gen.generate(PROMPTS[1], "ar", max_new_tokens=12).token_ids
     assert len(_debug_get_cache_entry_list(compiled._batch_layers.__code__)) == 2
 
 

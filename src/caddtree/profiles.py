@@ -47,6 +47,8 @@ def cost_ident(gen: Any) -> dict[str, Any]:
         "linear_kernel": gen.packed_layers > 0 and kernel_in_use(gen.verifier.dtype),
         "attention_kernel": gen.runtime != "transformers" and gen.verifier.target.fused_attention,
         "kernel_sources": source_digest() if kernel_in_use(gen.verifier.dtype) else None,
+        # and with the linear kernel on the AMX tile unit or not (added 2026-11-27: every cost
+        # model cached before is measured again once, as the kernels' sources changed too)
         "amx": kernel_in_use(gen.verifier.dtype) and amx_in_use(),
         "machine": machine_description(gen.verifier.device),
         # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the

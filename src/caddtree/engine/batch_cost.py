@@ -135,7 +135,7 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def _round_rows(
-    starts: Sequence[int], nodes: Sequence[int], bonus: int, vocab: int, depth: int
+    starts: Sequence[int], nodes: Sequence[int], bonus: int, vocab: int, depth: int, device: Any
 ) -> Rows:
     """A verification call of one bonus row and a profiling tree of ``nodes[s]`` nodes after
     ``starts[s]`` entries in each slot ``s``."""
@@ -144,7 +144,7 @@ def _round_rows(
     for slot, (start, n) in enumerate(zip(starts, nodes)):
         tree = profiling_tree(n, depth, vocab, seed=slot)
         sequences.append(tree_rows(slot, start, bonus, tree))
-    return Rows.batch(sequences, "cpu")
+    return Rows.batch(sequences, device)
 
 
 def _median_seconds(call: Any, warmup: int, trials: int) -> float:
@@ -181,7 +181,7 @@ def profile_batch_cost_model(
     if not batches or batches[0] < 1 or batches[-1] > proposer.slots:
         raise InvalidInputError(f"batch sizes must be 1 .. {proposer.slots} (the drafter's slots)")
     lengths, counts = sorted({max(1, int(n)) for n in context_lengths}), sorted(set(node_counts))
-    depth = proposer.block_size - 1
+    depth, device = proposer.block_size - 1, target.device
     vocab = int(target.model.config.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (lengths[-1],), generator=gen).tolist()
@@ -200,13 +200,14 @@ def profile_batch_cost_model(
         for batch in batches:
             features = None
             for slot in range(batch):
-                rows = Rows.batch([(slot, 0, context, range(len(context)), None)], "cpu")
+                rows = Rows.batch([(slot, 0, context, range(len(context)), None)], device)
                 _, features = target.forward(rows, slice(len(context) - 1, len(context)))
             measured = {}
             for length in reversed(lengths):
                 times = []
                 for total in counts:
-                    rows = _round_rows([length] * batch, _split(total, batch), bonus, vocab, depth)
+                    split = _split(total, batch)
+                    rows = _round_rows([length] * batch, split, bonus, vocab, depth, device)
                     times.append(_median_seconds(lambda r=rows: target.forward(r), warmup, trials))
                     bar.update(1)
                 measured[length] = (counts, times)

@@ -186,21 +186,22 @@ class BatchDecoder:
         greedy = any(plain_greedy(r.request.sampler) for r in self._running)
         choices = greedy_choices(logits).tolist() if greedy else None  # one call for all rows
         moves = []  # every request's accepted path, compacted in one go
-        for running, tree in zip(list(self._running), trees):
-            n = len(tree) + 1
-            rows = slice(offset, offset + n)
-            moves.append(
-                self._walk(running, tree, logits[rows], features[rows], choices and choices[rows])
-            )
-            offset += n
-            stats = running.request.round_stats[-1]
-            stats.draft_s, stats.forward_s = drafted - start, forward_s
-            stats.round_s = stats.verify_s = time.perf_counter() - drafted
-            committed += stats.committed
-            if running.request.stop_reason is not None:
-                self._leave(running)
-                finished.append(running.request)
-        self.target.compact_many([m for m in moves if m is not None])
+        try:
+            for running, tree in zip(list(self._running), trees):
+                n = len(tree) + 1
+                rows = slice(offset, offset + n)
+                chosen = choices and choices[rows]
+                moves.append(self._walk(running, tree, logits[rows], features[rows], chosen))
+                offset += n
+                stats = running.request.round_stats[-1]
+                stats.draft_s, stats.forward_s = drafted - start, forward_s
+                stats.round_s = stats.verify_s = time.perf_counter() - drafted
+                committed += stats.committed
+                if running.request.stop_reason is not None:
+                    self._leave(running)
+                    finished.append(running.request)
+        finally:  # the walked requests' caches match their lengths, whatever happened after
+            self.target.compact_many([m for m in moves if m is not None])
         if joint is not None:
             self._remember_rate(batch, drafts, committed, time.perf_counter() - start)
         return finished

@@ -60,9 +60,11 @@ class Rows:
         return self._per_sequence
 
     def cache_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the cache slot and entry its keys and values are written at [N] each."""
+        """Per row, the cache slot and entry its keys and values are written at [N] each, as
+        tensors of their own (not views into another: a compiled graph is guarded on its inputs'
+        storage offsets, so one sequence and several must give it the same kind of tensor)."""
         if self.write_index is not None:
-            return self.write_index
+            return self.write_index[0].clone(), self.write_index[1].clone()
         n, device = self.tokens.shape[0], self.tokens.device
         entries = torch.arange(self.starts[0], self.starts[0] + n, device=device)
         return torch.full((n,), self.slots[0], dtype=torch.long, device=device), entries

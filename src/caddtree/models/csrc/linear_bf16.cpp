@@ -25,7 +25,6 @@
 
 #include "linear_op.h"
 
-#include <ATen/ops/zeros.h>
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -182,8 +181,9 @@ struct Kernel {
   static at::Tensor input(const at::Tensor& rows) {
     const int64_t M = rows.size(0), padded = (M + kTileRows - 1) / kTileRows * kTileRows;
     if (!amx_takes(rows.size(1)) || padded == M) return rows.contiguous();
-    at::Tensor out = at::zeros({padded, rows.size(1)}, rows.options());
+    at::Tensor out = at::empty({padded, rows.size(1)}, rows.options());
     out.narrow(0, 0, M).copy_(rows);
+    out.narrow(0, M, padded - M).zero_();
     return out;
   }
   static bool groups(const Problem& p, int64_t M, int64_t begin, int64_t end) {
