@@ -22,7 +22,13 @@ from .util.errors import CaddtreeError, InvalidInputError
 if TYPE_CHECKING:
     from .engine.batch_cost import BatchCostModel
 
-__all__ = ["batch_sizes", "cached_batch_cost_model", "cached_profile", "cost_ident"]
+__all__ = [
+    "batch_sizes",
+    "cached_batch_cost_model",
+    "cached_profile",
+    "cost_ident",
+    "profile_batches",
+]
 
 logger = logging.getLogger("caddtree.api")
 
@@ -96,16 +102,31 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sorted({1, int(max_batch), *(2**k for k in range(1, 10) if 2**k < max_batch)})
 
 
+def profile_batches(gen: Any, max_batch: int, **grid: Any) -> BatchCostModel:
+    """Profile ``gen``'s batch cost model over :func:`batch_sizes` of ``max_batch``
+    (:func:`~caddtree.engine.batch_cost.profile_batch_cost_model`, its ``grid`` keywords), with
+    a drafter pass of its own; the target's cache is made again afterwards."""
+    from .engine.batch_cost import profile_batch_cost_model
+    from .models.batch_proposer import BatchProposer
+
+    if gen.runtime not in ("lean", "compiled") or gen.drafter is None:
+        raise InvalidInputError(
+            "a batch cost model needs the lean runtime (--runtime lean or compiled) and a drafter"
+        )
+    proposer = BatchProposer(gen.drafter, gen.target, max_batch)
+    sizes = batch_sizes(max_batch)
+    model = profile_batch_cost_model(gen.verifier.target, proposer, batches=sizes, **grid)
+    gen.verifier.reset()  # the profile let the target's cache go
+    return model
+
+
 def cached_batch_cost_model(
     gen: Any, max_batch: int, cache_dir: str | os.PathLike[str] | None = None
 ) -> BatchCostModel:
     """:meth:`SpeculativeGenerator.cached_batch_cost_model <caddtree.api.SpeculativeGenerator.
-    cached_batch_cost_model>`, over :func:`batch_sizes`."""
-    from .engine.batch_cost import BatchCostModel, profile_batch_cost_model
-    from .models.batch_proposer import BatchProposer
+    cached_batch_cost_model>`: :func:`profile_batches`, once per machine."""
+    from .engine.batch_cost import BatchCostModel
 
-    if gen.runtime not in ("lean", "compiled") or gen.drafter is None:
-        raise InvalidInputError("a batch cost model needs the lean runtime and a drafter")
     batches = batch_sizes(max_batch)
     ident = {**cost_ident(gen), "batches": batches}
 
@@ -115,10 +136,7 @@ def cached_batch_cost_model(
             "(batch sizes %s), then caching it",
             batches,
         )
-        proposer = BatchProposer(gen.drafter, gen.target, max_batch)
-        model = profile_batch_cost_model(gen.verifier.target, proposer, batches=batches)
-        gen.verifier.reset()  # the profile let the target's cache go
-        return model
+        return profile_batches(gen, max_batch)
 
     path, model = cached_profile("batch-cost", ident, cache_dir, profile)
     if model is None:

@@ -113,19 +113,12 @@ def _profile_batches(
     """``--batch N``: the batch cost model of rounds of up to N requests, saved beside --out."""
     from pathlib import Path
 
-    from ..engine.batch_cost import profile_batch_cost_model
-    from ..models.batch_proposer import BatchProposer
-    from ..profiles import batch_sizes
+    from ..profiles import batch_sizes, profile_batches
 
-    if gen.runtime not in ("lean", "compiled"):
-        raise InvalidInputError("--batch needs the lean runtime (--runtime lean or compiled)")
-    sizes = batch_sizes(args.batch)
-    print(f"caddtree: profiling rounds of {sizes} requests", file=sys.stderr)
-    proposer = BatchProposer(gen.drafter, gen.target, args.batch)
-    model = profile_batch_cost_model(
-        gen.verifier.target,
-        proposer,
-        batches=sizes,
+    print(f"caddtree: profiling rounds of {batch_sizes(args.batch)} requests", file=sys.stderr)
+    model = profile_batches(
+        gen,
+        args.batch,
         context_lengths=[n for n in lengths if n <= 1024] or lengths[:1],
         trials=trials,
         warmup=warmup,

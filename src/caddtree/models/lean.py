@@ -413,10 +413,10 @@ class LeanTarget:
         :func:`~caddtree.models.kernels.tree_attention_batch` (the same bits per row) for
         several."""
         keys, values = self.keys[index], self.values[index]
-        if len(rows.slots) == 1:
-            slot, mask = rows.slots[0], rows.sequence_masks()[0]
-            return tree_attention(q, keys[slot], values[slot], mask, self.scale)
         mask, seqs = rows.attention_inputs()
+        if len(rows.slots) == 1:
+            slot = rows.slots[0]
+            return tree_attention(q, keys[slot], values[slot], mask, self.scale)
         return tree_attention_batch(q, keys, values, mask, seqs, self.scale)
 
     def _cached(

@@ -41,23 +41,7 @@ class Rows:
     padded_index: torch.Tensor | None = None  # row -> b * n_max + j, for several sequences
 
     _grouped: torch.Tensor | None = field(default=None, repr=False)
-    _per_sequence: list[torch.Tensor] | None = field(default=None, repr=False)
     _attention: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-
-    def sequence_masks(self) -> list[torch.Tensor]:
-        """Per sequence, its rows' mask over its own ``start + count`` entries [count, L_s]
-        (views of :attr:`mask`, or all True where there is none), made once per call."""
-        if self._per_sequence is None:
-            spans = list(zip(self.starts, self.counts))
-            if self.mask is None:
-                every = torch.ones((1, self.length), dtype=torch.bool, device=self.tokens.device)
-                self._per_sequence = [every[:count, : start + count] for start, count in spans]
-            else:
-                self._per_sequence = [
-                    self.mask[b, 0, :count, : start + count]
-                    for b, (start, count) in enumerate(spans)
-                ]
-        return self._per_sequence
 
     def cache_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the cache slot and entry its keys and values are written at [N] each, as
@@ -71,7 +55,8 @@ class Rows:
 
     def attention_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``mask`` [N, L] and ``seqs`` [B, 3] of
-        :func:`~caddtree.models.kernels.tree_attention_batch` for these rows, made once per call.
+        :func:`~caddtree.models.kernels.tree_attention_batch` for these rows (for one sequence,
+        ``mask`` is :func:`~caddtree.models.kernels.tree_attention`'s), made once per call.
         ``seqs`` has two entries at least (a lone sequence gets an empty one after it), so that
         its size is never specialised in a compiled graph."""
         if self._attention is None:
