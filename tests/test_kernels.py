@@ -273,8 +273,9 @@ def test_the_attention_kernel_computes_masked_attention(heads, kv, dim, n, conte
     out = kernels.tree_attention(q, keys, values, mask, scale)
     assert out.shape == (n, heads * dim) and out.dtype is torch.bfloat16
     exact = attention_reference(q, keys, values, mask, scale)
-    # within one rounding to bfloat16 of the exact result
-    assert ((out.double() - exact).abs() / exact.abs().clamp(min=2**-8)).max() <= 2**-8
+    # within one rounding to bfloat16 of the exact result, give or take 2**-14 (on AMX: the tile
+    # unit's own rounding of the scores, and probabilities carried as two bfloat16 parts)
+    assert ((out.double() - exact).abs() / exact.abs().clamp(min=2**-8)).max() <= 2**-8 + 2**-14
     alone = [
         kernels.tree_attention(q[i : i + 1], keys, values, mask[i : i + 1], scale) for i in range(n)
     ]

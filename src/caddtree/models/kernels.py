@@ -83,7 +83,7 @@ class _Variant(NamedTuple):
 
 _AVX512_BF16 = _Variant(
     "avx512-bf16",
-    ("ops.cpp", "linear_op.h", "attention_op.h", "linear_bf16.cpp", "attention_bf16.cpp"),
+    ("ops.cpp", "amx.h", "linear_op.h", "attention_op.h", "linear_bf16.cpp", "attention_bf16.cpp"),
     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
 )
 _AVX2 = _Variant(

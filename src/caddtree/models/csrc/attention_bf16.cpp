@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "attention_op.h"
 
 #include <algorithm>
@@ -290,6 +291,300 @@ void run_items(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
+// ---- AMX ----------------------------------------------------------------------------------------
+// On CPUs with AMX-BF16 every call, one row or many, runs on the tile unit instead (head dims a
+// multiple of 32, at most 16 queries of a key/value head per group):
+//
+// Scores: a tile product takes 16 cached keys as they lie in the cache (A: 16 entries x 32 dims)
+// against the group's queries (B: 16 dim pairs x 16 queries), two products per 64 dims; the 16 x 16
+// block is transposed into each query's scores. The tile unit computes each score from its key and
+// query alone, in the same order of 32-dim chunks, so a score has the same bits wherever its entry
+// and row lie. Softmax: as above (float32 exp, a sum by rank among the allowed entries).
+// Values: the probabilities are rounded to bfloat16 (as flash attention does on GPUs) and
+// multiplied by the value rows 32 entries at a time (A: 16 queries x 32 entries, B: 16 entry pairs
+// x 16 dims). The tile unit rounds each such chunk's sum in its own way, so for a row to get the
+// same bits alone, in a tree, or in plain decoding after its ancestors, every row sums its allowed
+// entries in chunks of 32 by their rank among them (its logical positions), not by their place in
+// the cache: the leading chunks that every row of a group allows whole are shared tile products
+// over the cache as it lies; each row's remaining entries (the end of the prefix, its ancestors
+// and itself) are gathered side by side and added in chunks of 32 from where the shared ones end,
+// zero-padded. Both ways give a chunk the same inputs, so the same sums.
+
+constexpr int64_t kAmxQueries = 16;  // queries per group: the rows of a tile
+constexpr int64_t kDims = 16;        // dims of a value tile's columns
+
+// Query dword pairs of a group as B tiles: [D / 32][16 pairs][16 queries], zero past nq.
+void query_tiles(const Query* qs, int64_t nq, int64_t chunks, uint32_t* bq) {
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    __m512i r[16];
+    for (int64_t i = 0; i < 16; ++i)
+      r[i] = i < nq ? _mm512_loadu_si512(qs[i].q + kc * 16) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t k = 0; k < 16; ++k) _mm512_storeu_si512(bq + (kc * 16 + k) * kAmxQueries, r[k]);
+  }
+}
+
+// Every block's scores of a group's queries (scaled, into each query's row of scores); two blocks
+// at a time (C tiles 0 and 1), the query tiles loaded once where they fit (D <= 64).
+[[gnu::target("amx-tile,amx-bf16")]] void amx_scores(const Problem& p, const uint16_t* keys,
+                                                     const uint32_t* bq, Query* qs, int64_t nq,
+                                                     uint16_t* edge) {
+  const int64_t blocks = (p.L + kBlock - 1) / kBlock, chunks = p.D / 32;
+  const bool resident = chunks <= 2;
+  alignas(64) float tile[2][kBlock][kAmxQueries];
+  const __m512 sc = _mm512_set1_ps(p.scale);
+  if (resident) {
+    _tile_loadd(6, bq, 64);
+    if (chunks > 1) _tile_loadd(7, bq + 16 * kAmxQueries, 64);
+  }
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const uint16_t* a[2];
+    int64_t stride[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t first = (b + h) * kBlock, rows = std::min(kBlock, p.L - first);
+      a[h] = keys + first * p.k_row;
+      stride[h] = p.k_row * 2;
+      if (rows < kBlock) {  // the last block: its keys side by side, zeros after (never past the cache)
+        uint16_t* dst = edge + h * kBlock * p.D;
+        for (int64_t e = 0; e < kBlock; ++e)
+          for (int64_t d = 0; d < p.D; ++d) dst[e * p.D + d] = e < rows ? a[h][e * p.k_row + d] : 0;
+        a[h] = dst;
+        stride[h] = p.D * 2;
+      }
+    }
+    const bool two = b + 1 < blocks;
+    _tile_zero(0);
+    if (two) _tile_zero(1);
+    for (int64_t kc = 0; kc < chunks; ++kc) {
+      if (!resident) _tile_loadd(6, bq + kc * 16 * kAmxQueries, 64);
+      _tile_loadd(4, a[0] + kc * 32, stride[0]);
+      if (two) _tile_loadd(5, a[1] + kc * 32, stride[1]);
+      if (kc == 1 && resident) {
+        _tile_dpbf16ps(0, 4, 7);
+        if (two) _tile_dpbf16ps(1, 5, 7);
+      } else {
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) _tile_dpbf16ps(1, 5, 6);
+      }
+    }
+    _tile_stored(0, tile[0], 64);
+    if (two) _tile_stored(1, tile[1], 64);
+    for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+      __m512i r[16];
+      for (int e = 0; e < 16; ++e) r[e] = _mm512_load_si512(tile[h][e]);
+      transpose16(r);
+      for (int64_t i = 0; i < nq; ++i)
+        _mm512_storeu_ps(qs[i].s + (b + h) * kBlock, _mm512_mul_ps(_mm512_castsi512_ps(r[i]), sc));
+    }
+  }
+}
+
+// Value pairs of entries e0, e1 (nullptr: zeros) as one B row per 16 dims: [D / 16][16] dwords,
+// rows 64 bytes apart in `dst` (a tile of 16 rows per 16 dims: tiles `tile_stride` dwords apart).
+inline void value_pairs(const uint16_t* e0, const uint16_t* e1, int64_t D, uint32_t* dst,
+                        int64_t tile_stride) {
+  for (int64_t j = 0; j < D / kDims; ++j) {
+    const __m512i lo = e0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(e0 + j * kDims)))
+                          : _mm512_setzero_si512();
+    const __m512i hi = e1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(e1 + j * kDims)))
+                          : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst + j * tile_stride, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// 32 probabilities (float32, `src`) as two A rows of bfloat16, `hi` and `lo` = the rest, so that
+// hi + lo holds 16 of their 24 bits (two tile products then cost next to nothing in accuracy).
+inline void probability_rows(const float* src, uint16_t* hi, uint16_t* lo) {
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+  const __m512i wide = (__m512i)h;  // back to float32: a bfloat16 is the high half of a float
+  const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
+  const __m512 hb = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wide, 1)), 16));
+  _mm512_storeu_si512(hi, wide);
+  _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+}
+
+// acc [16][D] += (A_hi + A_lo) [16][32] x B per chunk (A: [chunks][2][16][32] bfloat16; B: D / 16
+// tiles of [16][16] dwords, `tile_stride` dwords apart), four value tiles at a time; acc is loaded
+// and stored around the products (rows D floats apart). Each tile adds hi's product, then lo's.
+[[gnu::target("amx-tile,amx-bf16")]] inline void value_chunks(const uint16_t* a, const uint32_t* b,
+                                                             int64_t b_step, int64_t chunks,
+                                                             int64_t D, int64_t tile_stride,
+                                                             float* acc) {
+  constexpr int64_t a_half = kAmxQueries * 32;
+  for (int64_t j0 = 0; j0 < D / kDims; j0 += 4) {
+    const int64_t nj = std::min<int64_t>(4, D / kDims - j0);
+    float* c = acc + j0 * kDims;
+    _tile_loadd(0, c, D * 4);
+    if (nj > 1) _tile_loadd(1, c + kDims, D * 4);
+    if (nj > 2) _tile_loadd(2, c + 2 * kDims, D * 4);
+    if (nj > 3) _tile_loadd(3, c + 3 * kDims, D * 4);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const uint16_t* ac = a + ch * 2 * a_half;
+      const uint32_t* bc = b + ch * b_step + j0 * tile_stride;
+      _tile_loadd(4, ac, 64);  // hi
+      _tile_loadd(5, bc, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nj > 1) { _tile_loadd(6, bc + tile_stride, 64); _tile_dpbf16ps(1, 4, 6); }
+      if (nj > 2) { _tile_loadd(7, bc + 2 * tile_stride, 64); _tile_dpbf16ps(2, 4, 7); }
+      if (nj > 3) { _tile_loadd(5, bc + 3 * tile_stride, 64); _tile_dpbf16ps(3, 4, 5); }
+      _tile_loadd(4, ac + a_half, 64);  // lo, against the value tiles still loaded
+      if (nj > 3) _tile_dpbf16ps(3, 4, 5);
+      if (nj > 2) _tile_dpbf16ps(2, 4, 7);
+      if (nj > 1) _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, bc, 64);
+      _tile_dpbf16ps(0, 4, 5);
+    }
+    _tile_stored(0, c, D * 4);
+    if (nj > 1) _tile_stored(1, c + kDims, D * 4);
+    if (nj > 2) _tile_stored(2, c + 2 * kDims, D * 4);
+    if (nj > 3) _tile_stored(3, c + 3 * kDims, D * 4);
+  }
+}
+
+// Entries every row of the group allows from the start, in whole chunks of 32.
+int64_t shared_entries(const uint16_t* bits, int64_t rows, int64_t blocks, int64_t L) {
+  int64_t lead = L;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* rb = bits + r * blocks;
+    int64_t b = 0;
+    while (b < blocks && b * kBlock < lead && rb[b] == 0xffff) ++b;
+    const int64_t here = b < blocks ? b * kBlock + __builtin_ctz(~static_cast<uint32_t>(rb[b])) : L;
+    lead = std::min(lead, here);
+  }
+  return std::min(lead, L) / 32 * 32;
+}
+
+struct AmxScratch {
+  std::vector<uint32_t> bq, vt, tail_b;
+  std::vector<uint16_t> edge, ap, tail_a;
+  std::vector<float> acc, tail_acc, packed;
+  std::vector<int64_t> entries;
+  int64_t zero_from = -1;  // tail_a and tail_acc are zero from this row on (-1: not known)
+};
+
+// The group's outputs: shared chunks over the cache, then each row's own entries.
+[[gnu::target("amx-tile,amx-bf16")]] void amx_values(const Problem& p, const uint16_t* values,
+                                                     const uint16_t* bits, Query* qs, int64_t rows,
+                                                     int64_t shared, int64_t& built,
+                                                     AmxScratch& w) {
+  const int64_t D = p.D, blocks = (p.L + kBlock - 1) / kBlock, nq = rows * p.G;
+  const int64_t tile_stride = 16 * kDims, chunk_b = (D / kDims) * tile_stride;
+  for (; built < shared / 32; ++built)  // value pairs of the head's chunks, built once per head
+    for (int64_t k = 0; k < 16; ++k) {
+      const int64_t e = built * 32 + 2 * k;
+      value_pairs(values + e * p.v_row, values + (e + 1) * p.v_row, D,
+                  w.vt.data() + built * chunk_b + k * kDims, tile_stride);
+    }
+  std::fill(w.acc.begin(), w.acc.begin() + kAmxQueries * D, 0.0f);
+  const int64_t chunks = shared / 32;
+  for (int64_t ch = 0; ch < chunks; ++ch)
+    for (int64_t i = 0; i < kAmxQueries; ++i) {
+      uint16_t* hi = w.ap.data() + (2 * ch * kAmxQueries + i) * 32;
+      uint16_t* lo = hi + kAmxQueries * 32;
+      if (i < nq) probability_rows(qs[i].s + ch * 32, hi, lo);
+      else std::fill(hi, hi + 32, 0), std::fill(lo, lo + 32, 0);
+    }
+  value_chunks(w.ap.data(), w.vt.data(), chunk_b, chunks, D, tile_stride, w.acc.data());
+  if (w.zero_from != p.G) {  // the tail tiles' rows past G stay zero: their products add nothing
+    std::fill(w.tail_acc.begin(), w.tail_acc.end(), 0.0f);
+    std::fill(w.tail_a.begin(), w.tail_a.end(), 0);
+    w.zero_from = p.G;
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // the row's own entries from `shared` on
+    const uint16_t* rb = bits + r * blocks;
+    w.entries.clear();
+    for (int64_t b = shared / kBlock; b < blocks; ++b)
+      for (uint32_t m = rb[b]; m != 0; m &= m - 1) w.entries.push_back(b * kBlock + __builtin_ctz(m));
+    const int64_t n = static_cast<int64_t>(w.entries.size()), tails = (n + 31) / 32;
+    std::copy_n(w.acc.data() + r * p.G * D, p.G * D, w.tail_acc.data());
+    alignas(64) float prob[32];
+    for (int64_t t = 0; t < tails; ++t) {
+      for (int64_t g = 0; g < p.G; ++g) {
+        uint16_t* hi = w.tail_a.data() + (2 * t * kAmxQueries + g) * 32;
+        for (int64_t x = 0; x < 32; ++x) {
+          const int64_t i = t * 32 + x;
+          prob[x] = i < n ? qs[r * p.G + g].s[w.entries[i]] : 0.0f;
+        }
+        probability_rows(prob, hi, hi + kAmxQueries * 32);
+      }
+      for (int64_t k = 0; k < 16; ++k) {
+        const int64_t i = t * 32 + 2 * k;
+        value_pairs(i < n ? values + w.entries[i] * p.v_row : nullptr,
+                    i + 1 < n ? values + w.entries[i + 1] * p.v_row : nullptr, D,
+                    w.tail_b.data() + t * chunk_b + k * kDims, tile_stride);
+      }
+    }
+    value_chunks(w.tail_a.data(), w.tail_b.data(), chunk_b, tails, D, tile_stride,
+                 w.tail_acc.data());
+    for (int64_t g = 0; g < p.G; ++g) {
+      const Query& qr = qs[r * p.G + g];
+      const __m512 sum = _mm512_set1_ps(qr.sum);
+      for (int64_t j = 0; j < D / kDims; ++j) {
+        const __m512 o = _mm512_div_ps(_mm512_loadu_ps(w.tail_acc.data() + g * D + j * kDims), sum);
+        _mm256_storeu_si256((__m256i*)(qr.out + j * kDims), (__m256i)_mm512_cvtneps_pbh(o));
+      }
+    }
+  }
+}
+
+// Items begin .. end - 1 of the (key/value head, row) grid on the tile unit.
+[[gnu::target("amx-tile,amx-bf16")]] void amx_items(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t blocks = (p.L + kBlock - 1) / kBlock, D = p.D;
+  const int64_t rows_per_group = kAmxQueries / p.G, max_chunks = (p.L + 31) / 32 + 1;
+  thread_local AmxScratch w;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<uint16_t> bits;
+  thread_local std::vector<Query> qs;
+  auto grow = [](auto& v, size_t n) { if (v.size() < n) v.resize(n); };
+  grow(w.bq, D / 32 * 16 * kAmxQueries);
+  grow(w.vt, max_chunks * (D / kDims) * 16 * kDims);
+  grow(w.tail_b, max_chunks * (D / kDims) * 16 * kDims);
+  if (w.tail_a.size() < size_t(max_chunks * 2 * kAmxQueries * 32) ||
+      w.tail_acc.size() < size_t(kAmxQueries * D))
+    w.zero_from = -1;  // grown below: zero them again
+  grow(w.ap, max_chunks * 2 * kAmxQueries * 32);
+  grow(w.tail_a, max_chunks * 2 * kAmxQueries * 32);
+  grow(w.edge, 2 * kBlock * D);
+  grow(w.acc, kAmxQueries * D);
+  grow(w.tail_acc, kAmxQueries * D);
+  grow(w.packed, (blocks + 1) * kBlock);
+  grow(scores, kAmxQueries * blocks * kBlock);
+  grow(bits, rows_per_group * blocks);
+  grow(qs, kAmxQueries);
+  caddtree_amx::load_tile_config();
+  for (int64_t item = begin; item < end;) {
+    const int64_t c = item / p.n, r_begin = item % p.n;
+    const int64_t r_end = std::min(p.n, r_begin + (end - item));
+    int64_t built = 0;  // chunks of this head's value pairs in w.vt
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += rows_per_group) {
+      const int64_t rows = std::min(rows_per_group, r_end - r0), nq = rows * p.G;
+      for (int64_t r = 0; r < rows; ++r) {
+        mask_bits(p, r0 + r, blocks, bits.data() + r * blocks);
+        for (int64_t g = 0; g < p.G; ++g) {
+          const int64_t i = r * p.G + g, offset = ((r0 + r) * p.H + c * p.G + g) * D;
+          qs[i] = Query{reinterpret_cast<const uint32_t*>(p.q + offset),
+                        scores.data() + i * blocks * kBlock, bits.data() + r * blocks,
+                        p.out + offset, 0.0f};
+        }
+      }
+      query_tiles(qs.data(), nq, D / 32, w.bq.data());
+      amx_scores(p, p.k + c * p.k_head, w.bq.data(), qs.data(), nq, w.edge.data());
+      for (int64_t j = 0; j < nq; ++j) qs[j].sum = softmax(qs[j].s, qs[j].bits, blocks, w.packed.data());
+      const int64_t shared = shared_entries(bits.data(), rows, blocks, p.L);
+      amx_values(p, p.v + c * p.v_head, bits.data(), qs.data(), rows, shared, built, w);
+    }
+    item += r_end - r_begin;
+  }
+  _tile_release();
+}
+
+// The tile unit takes head dims that are multiples of 32 and groups of at most 16 query heads.
+inline bool amx_takes(const Problem& p) {
+  return p.D % 32 == 0 && p.G <= kAmxQueries && caddtree_amx::amx_allowed();
+}
+
 using Items = void (*)(const Problem&, int64_t, int64_t);
 template <int... I>
 constexpr std::array<Items, sizeof...(I)> items_table(std::integer_sequence<int, I...>) {
@@ -298,7 +593,10 @@ constexpr std::array<Items, sizeof...(I)> items_table(std::integer_sequence<int,
 constexpr auto kItems = items_table(std::make_integer_sequence<int, 16>{});  // D = 16 .. 256
 
 struct Kernel {
-  static void run(const Problem& p, int64_t begin, int64_t end) { kItems[p.D / 16 - 1](p, begin, end); }
+  static void run(const Problem& p, int64_t begin, int64_t end) {
+    if (amx_takes(p)) amx_items(p, begin, end);
+    else kItems[p.D / 16 - 1](p, begin, end);
+  }
 };
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "linear_op.h"
 
 #include <cpuid.h>
@@ -37,6 +38,23 @@
 #include <cstring>
 #include <string>
 #include <utility>
+
+namespace caddtree_amx {
+
+bool amx_allowed() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("CADDTREE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
+    constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return tile && bf16 && syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
+  }();
+  return allowed;
+}
+
+}  // namespace caddtree_amx
 
 namespace {
 
@@ -93,28 +111,9 @@ struct Rows {
 // Linux's permission for the tile state, and CADDTREE_AMX=0 to turn it off), so it never changes
 // between two calls.
 
-constexpr int64_t kTileRows = 16;  // rows of x per tile
-constexpr int64_t kChunk = 32;     // input columns per tile product (16 column pairs)
-
-struct TileConfig {
-  uint8_t palette, start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_allowed() {
-  static const bool allowed = [] {
-    const char* env = std::getenv("CADDTREE_AMX");
-    if (env != nullptr && std::string(env) == "0") return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-    constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return tile && bf16 && syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
-  }();
-  return allowed;
-}
+using caddtree_amx::amx_allowed;
+using caddtree_amx::kChunk;     // input columns per tile product (16 column pairs)
+using caddtree_amx::kTileRows;  // rows of x per tile
 
 inline bool amx_takes(int64_t K) { return K % kChunk == 0 && amx_allowed(); }
 
@@ -160,13 +159,7 @@ inline bool amx_takes(int64_t K) { return K % kChunk == 0 && amx_allowed(); }
 // Groups begin .. end - 1 against all M rows (x padded to whole tiles), 32 rows a pass.
 [[gnu::target("amx-tile,amx-bf16")]] void amx_groups(const Problem& p, int64_t M, int64_t begin,
                                                      int64_t end) {
-  TileConfig config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  caddtree_amx::load_tile_config();
   for (int64_t g = begin; g < end; ++g) {
     for (int64_t m0 = 0; m0 < M; m0 += 2 * kTileRows) {
       amx_block(p, p.w + g * p.K * kGroup, M, m0, g * kGroup);

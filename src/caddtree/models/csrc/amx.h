@@ -1,0 +1,37 @@
+// What the AMX paths of the AVX512-BF16 build share (linear_bf16.cpp, attention_bf16.cpp): whether
+// this process may use the tile unit, and the one tile configuration both load (palette 1, all
+// eight tiles 16 rows of 64 bytes), so that neither needs to know what the other left loaded.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace caddtree_amx {
+
+constexpr int64_t kTileRows = 16;  // rows of a tile
+constexpr int64_t kChunk = 32;     // bfloat16 columns of an A tile (16 pairs)
+
+// Once per process: the CPU has AMX-TILE and AMX-BF16, Linux grants the tile state
+// (arch_prctl(ARCH_REQ_XCOMP_PERM)), and CADDTREE_AMX is not "0". Defined in linear_bf16.cpp.
+bool amx_allowed();
+
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+[[gnu::target("amx-tile")]] inline void load_tile_config() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+}  // namespace caddtree_amx
