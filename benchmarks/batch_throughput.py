@@ -11,6 +11,9 @@ each method, decodes ``--requests`` chat prompts of ``--max-new-tokens`` tokens 
 finishes), greedy. It prints the aggregate tokens per second (all requests' tokens over the wall
 time, prefills included), τ over all rounds, and the speed-up over the same method at batch 1.
 The methods run in alternating order at each batch size, after an untimed warm-up of each.
+``--breakdown`` also prints where a round's time goes (ms per round, prefills apart): the
+drafter's pass, building the trees (each request's, or the joint budget's), the target's
+forward, and the rest (walks, greedy choices, compaction).
 ``ddtree-N`` is DDTree with budget N; ``caddtree`` uses the cost model cached for this machine
 and builds each request's tree as if it were alone; ``caddtree-joint`` chooses all the batch's
 trees with one joint budget (:func:`caddtree.core.tree.build_joint_caddtrees`), pricing a batch round
@@ -21,12 +24,16 @@ with the batch cost model of this machine (profiled once and cached, as ``caddtr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import time
+from collections import defaultdict
 
 import torch
 
 from caddtree.api import chat_template_ids
 from caddtree.arguments import load_pair
+from caddtree.engine import batching
 from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
 from chat_prompts import PROMPTS
@@ -61,6 +68,58 @@ def decode_all(
     return seconds, sum(len(r.output) for r in done), sum(r.rounds for r in done)
 
 
+PHASES = {"step": "round", "_drafts": "drafter", "_tree": "trees", "_joint_trees": "trees"}
+
+
+@contextlib.contextmanager
+def phase_timer(totals: dict[str, float]):
+    """Add the seconds of each of a BatchDecoder round's phases (:data:`PHASES`, and the target's
+    forward inside a round) to ``totals`` while the block runs."""
+    originals = {name: getattr(BatchDecoder, name) for name in PHASES}
+    forward = batching.LeanTarget.forward
+    inside = [False]
+
+    def timed(name, method):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            inside[0] = inside[0] or name == "step"
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[PHASES[name]] += time.perf_counter() - began
+                totals["rounds"] += name == "step"
+                inside[0] = inside[0] and name != "step"
+
+        return run
+
+    @functools.wraps(forward)
+    def timed_forward(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:  # prefills run outside rounds
+            totals["forward" if inside[0] else "prefills"] += time.perf_counter() - began
+
+    for name, method in originals.items():
+        setattr(BatchDecoder, name, timed(name, method))
+    batching.LeanTarget.forward = timed_forward
+    try:
+        yield totals
+    finally:
+        for name, method in originals.items():
+            setattr(BatchDecoder, name, method)
+        batching.LeanTarget.forward = forward
+
+
+def print_breakdown(batch: int, method: str, totals: dict[str, float]) -> None:
+    rounds = max(1, totals["rounds"])
+    parts = {k: totals[k] / rounds * 1e3 for k in ("round", "drafter", "trees", "forward")}
+    parts["rest"] = parts["round"] - parts["drafter"] - parts["trees"] - parts["forward"]
+    text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+    print(f"{batch:>5} {method:>10}   ms per round: {text} ({int(rounds)} rounds)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -70,6 +129,7 @@ def main() -> None:
         "--methods", nargs="+", default=["ar", "ddtree-8", "caddtree", "caddtree-joint"]
     )
     parser.add_argument("--runtime", default="auto", choices=["auto", "compiled", "lean"])
+    parser.add_argument("--breakdown", action="store_true", help="where a round's time goes")
     args = parser.parse_args()
     gen = load_pair(None, None, dtype="bfloat16", method="caddtree", runtime=args.runtime)
     tokenizer = gen.tokenizer
@@ -89,13 +149,20 @@ def main() -> None:
     base: dict[str, float] = {}
     for k, batch in enumerate(args.batches):
         order = args.methods if k % 2 == 0 else list(reversed(args.methods))
-        results = {m: decode_all(gen, prompts, m, batch, args.max_new_tokens, joint) for m in order}
+        results, phases = {}, {}
+        for m in order:
+            with phase_timer(defaultdict(float)) as totals:
+                results[m] = decode_all(gen, prompts, m, batch, args.max_new_tokens, joint)
+            phases[m] = totals
         for method in args.methods:
             seconds, tokens, rounds = results[method]
             rate = tokens / seconds
             base.setdefault(method, rate)
             tau = (tokens - len(prompts)) / rounds
             print(f"{batch:>5} {method:>10} {rate:>8.1f} {tau:>6.2f} {rate / base[method]:>9.2f}x")
+        if args.breakdown:
+            for method in args.methods:
+                print_breakdown(batch, method, phases[method])
 
 
 if __name__ == "__main__":

@@ -248,6 +248,37 @@ def test_train_drafter_grows_its_data_by_appending(capsys, tiny_pair_dirs, tmp_p
     assert (out / "data.safetensors").read_bytes() == before
 
 
+def test_train_drafter_trains_on_a_runs_data_as_it_is(capsys, tiny_pair_dirs, tmp_path):
+    """--train-only reads no prompt source (so needs none of the benchmark packages the overlap
+    check loads): it trains on the run's data, checked against the target, and refuses a run
+    without data or with another dtype's responses, before any training."""
+    target, _ = tiny_pair_dirs
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in "abcdefgh"))
+    out = tmp_path / "run"
+    common = ["train-drafter", "--target", str(target), "--output", str(out)]
+    made = [*common, "--data-only", "--sharegpt", "0", "--code", "0", "--math", "0"]
+    made += ["--prompts", str(prompts), "--dtype", "float64", "--max-new-tokens", "6"]
+    assert main(made) == 0
+    train = [*common, "--train-only", "--dtype", "float64", "--steps", "2", "--anchors", "2"]
+    train += ["--feature-layers", "2", "--device", "cpu"]
+    assert main([*train, "--max-prompts", "6"]) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["prompts"]["total"] == 6 and run["final"]["step"] == 2
+    assert run["response_tokens"] > 0 and (out / "checkpoint").is_dir()
+
+    empty = [*train[:4], str(tmp_path / "empty"), *train[5:]]
+    assert main(empty) == 2
+    err = capsys.readouterr().err
+    assert "--train-only trains on the run's data" in err and "Traceback" not in err
+    other = [*train[:7], "float32", *train[8:]]
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert "dtype: saved 'float64', now 'float32'" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):  # one or the other
+        main([*train, "--data-only"])
+
+
 def test_train_drafter_names_the_bad_line_of_a_prompt_file(capsys, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')

@@ -41,17 +41,27 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     target, tokenizer, stops = _load_target(target_dir, dtype, device)
     timings: dict[str, float] = {}
-    sources = _builtin_sources(args)
-    if args.magpie:
-        kept = _magpie_prompts(args, target, tokenizer, stops, out, timings)
-        sources["magpie"] = lambda: kept
-    if user_prompts is not None:
-        sources["file"] = lambda: user_prompts
-    prompt_set = _choose_prompts(args, config, tokenizer, sources, out)
-    data = _make_data(args, target, tokenizer, prompt_set.prompts, out, stops, timings)
-    _write_heldout_prompts(data, config, prompt_set.prompts, out)
-    if args.data_only:
-        return 0
+    if args.train_only:
+        data = _existing_data(args, target, stops, out)
+        prompts = {"total": len(data.sequences), "source": "the run's data as it was"}
+    else:
+        sources = _builtin_sources(args)
+        if args.magpie:
+            kept = _magpie_prompts(args, target, tokenizer, stops, out, timings)
+            sources["magpie"] = lambda: kept
+        if user_prompts is not None:
+            sources["file"] = lambda: user_prompts
+        prompt_set = _choose_prompts(args, config, tokenizer, sources, out)
+        data = _make_data(args, target, tokenizer, prompt_set.prompts, out, stops, timings)
+        _write_heldout_prompts(data, config, prompt_set.prompts, out)
+        prompts = {
+            "total": len(prompt_set.prompts),
+            **prompt_set.sources,
+            "dropped_overlap": prompt_set.overlap,
+            "dropped_duplicates": prompt_set.duplicates,
+        }
+        if args.data_only:
+            return 0
     t0 = time.perf_counter()
     final = train(
         target,
@@ -63,7 +73,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         init_from=args.init_from,
     )
     timings["train_s"] = round(time.perf_counter() - t0, 1)
-    record = _run_record(target_dir, dtype, device, prompt_set, data, config, out, final, timings)
+    record = _run_record(target_dir, dtype, device, prompts, data, config, out, final, timings)
     (out / "run.json").write_text(json.dumps(record, indent=1))
     if args.export:
         _export_drafter(args, out)
@@ -271,6 +281,35 @@ def _make_data(
     return data
 
 
+def _existing_data(args: argparse.Namespace, target: Any, stops: list[int], out: Any) -> Any:
+    """--train-only: the run's data as it is (its first --max-prompts samples), checked against
+    the target; no prompt source is read, so the benchmarks' prompt packages are not needed."""
+    from ..train import TrainingData
+    from ..train.data import describe_differences, target_fingerprint
+
+    path = out / "data.safetensors"
+    if not path.is_file():
+        raise InvalidInputError(
+            f"--train-only trains on the run's data, and {out} has none ({path.name}); generate "
+            "it first (the same command without --train-only, or --data-only), or copy a run's "
+            "data.safetensors and split.json there"
+        )
+    data = TrainingData.load(path)
+    wanted = {"stops": sorted(stops), **target_fingerprint(target)}
+    saved = {k: data.meta.get(k) for k in wanted}
+    if saved != wanted:
+        raise InvalidInputError(
+            f"{path} holds responses for other {describe_differences(saved, wanted)}; train with "
+            "the target and dtype that made them, or in another output directory"
+        )
+    if args.max_prompts is not None:
+        data = TrainingData(
+            data.sequences[: args.max_prompts], data.prompt_lengths[: args.max_prompts], data.meta
+        )
+    print(f"training data: {len(data.sequences)} samples of {path}", file=sys.stderr)
+    return data
+
+
 def _write_heldout_prompts(data: Any, config: Any, prompts: list[Any], out: Any) -> None:
     """Write the held-out samples' prompts, e.g. for `caddtree bench --prompts` to compare
     drafters on prompts no training step saw."""
@@ -290,7 +329,7 @@ def _run_record(
     target_dir: Any,
     dtype: Any,
     device: Any,
-    prompt_set: Any,
+    prompts: dict[str, Any],
     data: Any,
     config: Any,
     out: Any,
@@ -312,12 +351,7 @@ def _run_record(
         "target": str(target_dir),
         "dtype": str(dtype),
         "device": str(device),
-        "prompts": {
-            "total": len(prompt_set.prompts),
-            **prompt_set.sources,
-            "dropped_overlap": prompt_set.overlap,
-            "dropped_duplicates": prompt_set.duplicates,
-        },
+        "prompts": prompts,
         "tokens": int(sum(len(s) for s in data.sequences)),
         "response_tokens": int(
             sum(len(s) - p for s, p in zip(data.sequences, data.prompt_lengths))
@@ -386,10 +420,18 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
         help="use only the first N prompts (after the seeded shuffle): train on the responses "
         "generated so far, and grow the run later with a larger N or none",
     )
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
         "--data-only",
         action="store_true",
         help="stop after generating the training data (prompts and responses)",
+    )
+    mode.add_argument(
+        "--train-only",
+        action="store_true",
+        help="train on the run's data as it is (data.safetensors in --output, e.g. the "
+        "committed training-data/ copied there): no prompt source is read and nothing is "
+        "generated, so the benchmark prompt packages the overlap check needs are not needed",
     )
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     p.add_argument("--batch-size", type=int, default=16, help="generation batch size")
