@@ -338,9 +338,10 @@ void query_tiles(const Query* qs, int64_t nq, int64_t chunks, uint32_t* bq) {
     if (chunks > 1) _tile_loadd(7, bq + 16 * kAmxQueries, 64);
   }
   for (int64_t b = 0; b < blocks; b += 2) {
-    const uint16_t* a[2];
-    int64_t stride[2];
-    for (int64_t h = 0; h < 2; ++h) {
+    const bool two = b + 1 < blocks;
+    const uint16_t* a[2] = {nullptr, nullptr};
+    int64_t stride[2] = {0, 0};
+    for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
       const int64_t first = (b + h) * kBlock, rows = std::min(kBlock, p.L - first);
       a[h] = keys + first * p.k_row;
       stride[h] = p.k_row * 2;
@@ -352,7 +353,6 @@ void query_tiles(const Query* qs, int64_t nq, int64_t chunks, uint32_t* bq) {
         stride[h] = p.D * 2;
       }
     }
-    const bool two = b + 1 < blocks;
     _tile_zero(0);
     if (two) _tile_zero(1);
     for (int64_t kc = 0; kc < chunks; ++kc) {
@@ -461,7 +461,6 @@ struct AmxScratch {
   std::vector<uint16_t> edge, ap, tail_a;
   std::vector<float> acc, tail_acc, packed;
   std::vector<int64_t> entries;
-  int64_t zero_from = -1;  // tail_a and tail_acc are zero from this row on (-1: not known)
 };
 
 // The group's outputs: shared chunks over the cache, then each row's own entries.
@@ -487,11 +486,8 @@ struct AmxScratch {
       else std::fill(hi, hi + 32, 0), std::fill(lo, lo + 32, 0);
     }
   value_chunks(w.ap.data(), w.vt.data(), chunk_b, chunks, D, tile_stride, w.acc.data());
-  if (w.zero_from != p.G) {  // the tail tiles' rows past G stay zero: their products add nothing
-    std::fill(w.tail_acc.begin(), w.tail_acc.end(), 0.0f);
-    std::fill(w.tail_a.begin(), w.tail_a.end(), 0);
-    w.zero_from = p.G;
-  }
+  // The tail tiles' rows past G are never read: a tile product's C[m][n] depends on C[m][n], row m
+  // of A and column n of B alone, so whatever those rows hold cannot reach the rows below G.
   for (int64_t r = 0; r < rows; ++r) {  // the row's own entries from `shared` on
     const uint16_t* rb = bits + r * blocks;
     w.entries.clear();
@@ -541,9 +537,6 @@ struct AmxScratch {
   grow(w.bq, D / 32 * 16 * kAmxQueries);
   grow(w.vt, max_chunks * (D / kDims) * 16 * kDims);
   grow(w.tail_b, max_chunks * (D / kDims) * 16 * kDims);
-  if (w.tail_a.size() < size_t(max_chunks * 2 * kAmxQueries * 32) ||
-      w.tail_acc.size() < size_t(kAmxQueries * D))
-    w.zero_from = -1;  // grown below: zero them again
   grow(w.ap, max_chunks * 2 * kAmxQueries * 32);
   grow(w.tail_a, max_chunks * 2 * kAmxQueries * 32);
   grow(w.edge, 2 * kBlock * D);

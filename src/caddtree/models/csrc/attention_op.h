@@ -52,6 +52,7 @@ inline void check_heads(const at::Tensor& q, const at::Tensor& keys, const at::T
   TORCH_CHECK(keys.size(-1) == D, "tree_attention: q has head dim ", D, ", keys ", keys.size(-1));
   TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 256,
               "tree_attention: head dim must be a multiple of 16 in 16..256, got ", D);
+  TORCH_CHECK(H > 0, "tree_attention: q has no heads (", q.sizes(), ")");
   TORCH_CHECK(kv > 0 && H % kv == 0, "tree_attention: ", H,
               " query heads are not a multiple of ", kv, " key/value heads");
 }
