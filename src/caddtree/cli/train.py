@@ -37,6 +37,8 @@ def train_drafter(args: argparse.Namespace) -> int:
 
         user_prompts = read_prompt_file(args.prompts)  # before any slow work: fail fast
     out = Path(args.output)
+    if args.train_only:
+        _require_data(out)  # before the target loads: fail fast
     out.mkdir(parents=True, exist_ok=True)
 
     target, tokenizer, stops = _load_target(target_dir, dtype, device)
@@ -281,6 +283,16 @@ def _make_data(
     return data
 
 
+def _require_data(out: Any) -> None:
+    """--train-only needs the run's data."""
+    if not (out / "data.safetensors").is_file():
+        raise InvalidInputError(
+            f"--train-only trains on the run's data, and {out} has none (data.safetensors); "
+            "generate it first (the same command without --train-only, or --data-only), or copy "
+            "a run's data.safetensors and split.json there"
+        )
+
+
 def _existing_data(args: argparse.Namespace, target: Any, stops: list[int], out: Any) -> Any:
     """--train-only: the run's data as it is (its first --max-prompts samples), checked against
     the target; no prompt source is read, so the benchmarks' prompt packages are not needed."""
@@ -288,12 +300,6 @@ def _existing_data(args: argparse.Namespace, target: Any, stops: list[int], out:
     from ..train.data import describe_differences, target_fingerprint
 
     path = out / "data.safetensors"
-    if not path.is_file():
-        raise InvalidInputError(
-            f"--train-only trains on the run's data, and {out} has none ({path.name}); generate "
-            "it first (the same command without --train-only, or --data-only), or copy a run's "
-            "data.safetensors and split.json there"
-        )
     data = TrainingData.load(path)
     wanted = {"stops": sorted(stops), **target_fingerprint(target)}
     saved = {k: data.meta.get(k) for k in wanted}
