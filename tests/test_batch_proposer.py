@@ -31,10 +31,13 @@ def features(drafter, rows: int, seed: int) -> torch.Tensor:
     )
 
 
-def module_draft(target, drafter, bonus: int, context: torch.Tensor) -> torch.Tensor:
+def module_draft(
+    target, drafter, bonus: int, context: torch.Tensor, size: int | None = None
+) -> torch.Tensor:
     """The drafter module's forward over the whole ``context`` [T, k*H] (no cache), then the
-    block ``[bonus, MASK, ..]`` right after it: the draft logits of positions 1 .. B-1."""
-    size = drafter.block_size
+    block ``[bonus, MASK, ..]`` of ``size`` positions (the drafter's block size by default)
+    right after it: the draft logits of positions 1 .. size-1."""
+    size = size or drafter.block_size
     block = torch.tensor([[bonus] + [drafter.mask_token_id] * (size - 1)])
     with torch.no_grad():
         hidden = drafter(
@@ -81,6 +84,29 @@ def test_each_sequence_of_a_pass_drafts_what_the_module_drafts_over_its_context(
             torch.testing.assert_close(draft.rows(), expected, rtol=1e-10, atol=1e-10)
             assert batched.lengths[call.slot] == history[call.slot].shape[0]
     assert batched.capacity >= max(batched.lengths)
+
+
+def test_a_shorter_block_drafts_what_the_module_drafts_for_that_block(pair):
+    """``propose(calls, positions=[q_1, ..])`` runs call ``i``'s block with ``q_i`` positions
+    (the batch decoder's: as deep as its tree can reach): each sequence's logits are the
+    module's for its own ``q_i``-block, and the context the pass appends is the same whatever
+    the sizes."""
+    target, drafter = pair
+    batched = BatchProposer(drafter, target, slots=2)
+    seen = {slot: features(drafter, 0, 0) for slot in range(2)}
+    for step, q in enumerate((2, 5, drafter.block_size, 3)):
+        calls = [
+            DraftCall(slot, 3 * step + slot, features(drafter, 2 + slot, step)) for slot in (1, 0)
+        ]
+        sizes = [q, max(2, q - 1)]  # each call its own block size
+        for call, draft, size in zip(calls, batched.propose(calls, sizes), sizes):
+            seen[call.slot] = torch.cat([seen[call.slot], call.features])
+            assert draft.shape[0] == size - 1
+            expected = module_draft(target, drafter, call.bonus, seen[call.slot], size)
+            torch.testing.assert_close(draft.rows(), expected, rtol=1e-10, atol=1e-10)
+    for sizes in ([1, 3], [drafter.block_size + 1, 3], [2.5, 3], [3]):
+        with pytest.raises(InvalidInputError, match="positions per block"):
+            batched.propose(calls, sizes)
 
 
 def test_the_single_sequence_proposer_is_the_one_slot_pass(pair):

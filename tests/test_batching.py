@@ -106,6 +106,35 @@ def test_a_sampled_request_draws_the_same_tokens_in_a_batch_as_alone(qwen3, draf
     assert len(set(alone)) > 1
 
 
+def test_each_request_drafts_as_deep_as_its_tree_can_reach(qwen3, drafter):
+    """A drafter pass gives each request a block of ``1 + d`` positions, ``d`` the deepest its
+    next tree can go: its budget (DDTree, CaDDTree's max_budget), the tokens it still needs, and
+    the drafter's block; a DFlash chain reads the whole block."""
+    batch = decoder(qwen3, drafter, 5)
+    seen = []
+    propose = batch.proposer.propose
+
+    def spy(calls, sizes):
+        by_slot = {r.slot: r.request for r in batch._running}
+        for call, size in zip(calls, sizes):
+            request = by_slot[call.slot]
+            left = request.max_new_tokens - len(request.output) - 1
+            seen.append((request.policy.reach, left, size))
+        return propose(calls, sizes)
+
+    batch.proposer.propose = spy
+    done = batch.run(requests([8, 20, 9, 30, 17]))
+    block = drafter.block_size
+    assert {reach for reach, _, _ in seen} == {None, 4, 24, 16}
+    for reach, left, size in seen:
+        assert size == min(block, 1 + min(left, block if reach is None else reach))
+    assert any(size < block for _, _, size in seen)
+    for request in done:
+        assert request.output == hf_generate(
+            qwen3, list(request.prompt_ids), request.max_new_tokens
+        )
+
+
 def test_bad_requests_are_refused(qwen3, drafter):
     batch = decoder(qwen3, None, 1)
     with pytest.raises(InvalidInputError, match="needs a drafter"):
@@ -166,9 +195,10 @@ def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_
     free drafter pass is never skipped (a round with no nodes ties with plain decoding)."""
     batch = joint_decoder(qwen3, drafter, 3)
     batch._draft_cost = lambda sequences, model: draft_cost  # the timed cost, made exact here
+    batch._misses.remember = lambda *measured: None  # and nothing measured beside it
     passes = []
     propose = batch.proposer.propose
-    batch.proposer.propose = lambda calls: passes.append(len(calls)) or propose(calls)
+    batch.proposer.propose = lambda calls, q=None: passes.append(len(calls)) or propose(calls, q)
     caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
     done = batch.run([GenerationRequest(p, caddtree, 40) for p in PROMPTS[:3]])
     for request in done:
@@ -178,6 +208,49 @@ def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_
         assert len(passes) >= rounds - 1
     else:
         assert len(passes) <= rounds // (batching._SKIP_ROUNDS + 1) + 1
+
+
+def test_a_joint_batch_calibrates_and_drafts_as_deep_as_its_trees_went(qwen3, drafter):
+    """The joint budget weighs the drafter's prefix mass by the acceptance its verified trees
+    showed (``calibration``: accepted nodes over prefix mass, with a prior of 4 at face value),
+    and drafts a margin past the deepest node of its recent rounds."""
+    batch = joint_decoder(qwen3, drafter, 3)
+    assert batch.calibration == 1.0 and batch._joint_reach() is None
+    sizes = []
+    propose = batch.proposer.propose
+    batch.proposer.propose = lambda calls, q: (
+        sizes.append((batch._joint_reach(), q)) or propose(calls, q)
+    )
+    caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
+    done = batch.run([GenerationRequest(p, caddtree, 30) for p in PROMPTS[:3]])
+    for request in done:
+        assert request.output == hf_generate(qwen3, list(request.prompt_ids), 30)
+    trees = [s for r in done for s in r.round_stats if s.budget]
+    mass, accepted = sum(s.phi for s in trees), sum(s.accepted for s in trees)
+    assert 0 < len(trees) <= batching._CALIBRATION_TREES
+    assert batch.calibration == pytest.approx((accepted + 4.0) / (mass + 4.0))
+    assert len(sizes) > 1 and sizes[0][0] is None  # the first pass drafts whole blocks
+    for reach, q in sizes[1:]:
+        assert reach is not None and all(size <= reach + 1 for size in q)
+    deepest = max(batch._joint_depths)
+    assert batch._joint_reach() == deepest + batching._DEPTH_MARGIN
+
+
+def test_what_the_cost_model_leaves_out_is_measured():
+    """The seconds a joint round takes beyond its modelled cost: a plain round's, and per
+    drafting request what a drafting round takes beyond that; medians, 0 before three."""
+    misses = batching._CostMisses()
+    misses.remember(0.010, 0, 0.012)
+    assert misses.plain_s == 0.0 and misses.per_draft_s == 0.0
+    for seconds in (0.011, 0.013):
+        misses.remember(0.010, 0, seconds)
+    assert misses.plain_s == pytest.approx(0.002)
+    for seconds in (0.030, 0.026, 0.034):  # 4 requests drafting, modelled at 0.020 s
+        misses.remember(0.020, 4, seconds)
+    assert misses.per_draft_s == pytest.approx((0.030 - 0.020 - 0.002) / 4)
+    for _ in range(40):  # a model that overprices drafting: never a negative overhead
+        misses.remember(0.050, 4, 0.030)
+    assert misses.per_draft_s == 0.0
 
 
 def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
@@ -195,19 +268,19 @@ def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
     for drafted, seconds in ((True, 1.0), (False, 2.0)):  # drafting measured twice as fast
         batch._rates[(2, drafted)] = deque([(4, seconds)] * 4)
     batch._skip = (0, 0)
-    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001)
+    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
     assert batch._skip == (0, 0)
     batch._rates[(2, False)] = deque([(4, 0.5)] * 4)  # now plain rounds are faster
     windows = []
     for _ in range(7):  # each judgement in a row against drafting doubles the window, up to 16x
-        batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), plain_cost=10.0)
+        batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), 10.0, kappa=1.0)
         windows.append(batch._skip[1])
     assert batch._skip[0] == 2
     assert windows == [batching._SKIP_ROUNDS * k for k in (1, 2, 4, 8, 16, 16, 16)]
     batch._rates[(2, False)] = deque([(4, 2.0)] * 4)  # drafting faster again: back to 1x
-    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001)
+    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
     batch._rates[(2, False)] = deque([(4, 0.5)] * 4)
-    batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), plain_cost=10.0)
+    batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), 10.0, kappa=1.0)
     assert batch._skip == (2, batching._SKIP_ROUNDS)
 
 

@@ -431,9 +431,10 @@ def _phi(logits: np.ndarray, n: int) -> float:
     return float(np.exp(tree.log_probs).sum()) if len(tree) else 0.0
 
 
-def _batch_theta(split, phis, costs) -> float:
-    """The batch surrogate of ``split`` nodes per request: (B + sum Phi_i(n_i)) / cost(sum n_i)."""
-    return (len(split) + sum(p[k] for p, k in zip(phis, split))) / costs[sum(split)]
+def _batch_theta(split, phis, costs, kappa: float = 1.0) -> float:
+    """The batch surrogate of ``split`` nodes per request: (B + kappa sum Phi_i(n_i)) / cost(sum
+    n_i)."""
+    return (len(split) + kappa * sum(p[k] for p, k in zip(phis, split))) / costs[sum(split)]
 
 
 def test_the_joint_budget_of_one_request_is_caddtree():
@@ -476,6 +477,33 @@ def test_the_joint_budget_is_the_best_split_of_the_best_total():
         )
         assert _batch_theta(sizes, phis, costs) == pytest.approx(best, rel=1e-12), (trial, sizes)
         assert _batch_theta(sizes, phis, costs) >= batch / costs[0]  # never below batched AR
+
+
+def test_a_calibrated_joint_budget_is_the_best_split_for_its_surrogate():
+    """With a calibration kappa (tokens per unit of prefix mass), brute force over every split
+    finds no higher (B + kappa sum Phi_i) / cost; a smaller kappa never takes more nodes."""
+    from caddtree.core.tree import build_joint_caddtrees
+
+    rng = np.random.default_rng(13)
+    for trial in range(4):
+        batch, max_nodes = 2 + trial % 2, 8
+        drafts = [rng.normal(0, 1.5 + i, size=(4, 10)) for i in range(batch)]
+        costs = _batch_costs(max_nodes, 1.0, 0.04 * (1 + trial), 0.005 * trial)
+        phis = [[_phi(d, k) for k in range(max_nodes + 1)] for d in drafts]
+        totals = []
+        for kappa in (1.4, 1.0, 0.75, 0.4):
+            trees = build_joint_caddtrees(drafts, costs, max_nodes, calibration=kappa)
+            sizes = [len(t) for t in trees]
+            best = max(
+                _batch_theta(split, phis, costs, kappa)
+                for split in itertools.product(range(max_nodes + 1), repeat=batch)
+                if sum(split) <= max_nodes
+            )
+            assert _batch_theta(sizes, phis, costs, kappa) == pytest.approx(best, rel=1e-12)
+            totals.append(sum(sizes))
+        assert totals == sorted(totals, reverse=True), totals
+    with pytest.raises(InvalidInputError, match="calibration must be a positive number"):
+        build_joint_caddtrees(drafts, costs, max_nodes, calibration=0.0)
 
 
 def test_the_joint_budget_grows_with_cheaper_nodes_and_refuses_bad_costs():

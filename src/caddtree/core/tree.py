@@ -229,7 +229,10 @@ def _expand(
 
 
 def _expand_many(
-    requests: Sequence[Candidates], max_nodes: int, denominators: Sequence[float] | None = None
+    requests: Sequence[Candidates],
+    max_nodes: int,
+    denominators: Sequence[float] | None = None,
+    base: float | None = None,
 ) -> list[DraftTree]:
     """Best-first expansion over the prefixes of several requests' drafts at once, in
     non-increasing prefix probability across all of them; one tree per request.
@@ -237,7 +240,8 @@ def _expand_many(
     Pops at most ``max_nodes`` prefixes in all. With ``denominators`` (the round's cost with
     ``n = 0 .. max_nodes`` nodes in all: ``draft_cost + verify_cost(n)`` for one request), it also
     stops at the first ``n`` where ``theta*(n+1) <= theta*(n)``, ``theta*(n) = (R + Phi(n)) /
-    denominators[n]`` for ``R`` requests and ``Phi`` the probability mass of the ``n`` prefixes
+    denominators[n]`` for ``R`` requests (``base`` instead, where given) and ``Phi`` the
+    probability mass of the ``n`` prefixes
     taken (Algorithm 1, Eq. stopping; for several requests, the joint budget: each request's
     prefix masses are non-increasing in its own best-first order, so taking the most probable
     prefix of any request next gives, for every ``n``, the largest ``Phi`` any split of ``n``
@@ -271,14 +275,15 @@ def _expand_many(
     heappush, heappop, heapreplace, exp = heapq.heappush, heapq.heappop, heapq.heapreplace, math.exp
     cost_aware = denominators is not None
     phi = 0.0
-    theta_prev = len(requests) / denominators[0] if cost_aware else 0.0
+    rows_worth = float(len(requests)) if base is None else base
+    theta_prev = rows_worth / denominators[0] if cost_aware else 0.0
     n = 0
     while heap and n < max_nodes:
         item = heap[0]
         score = -item[0]
         if cost_aware:
             delta = exp(score)
-            theta_new = (len(requests) + phi + delta) / denominators[n + 1]
+            theta_new = (rows_worth + phi + delta) / denominators[n + 1]
             if theta_new <= theta_prev:  # Eq. stopping: theta*(n+1) <= theta*(n)
                 break
         _, r, pscore, parent, depth, rank = item
@@ -374,7 +379,11 @@ def build_caddtree(
 
 
 def build_joint_caddtrees(
-    draft_logits: Sequence[DraftInput], round_costs: Sequence[float], max_nodes: int = 1024
+    draft_logits: Sequence[DraftInput],
+    round_costs: Sequence[float],
+    max_nodes: int = 1024,
+    *,
+    calibration: float = 1.0,
 ) -> list[DraftTree]:
     """CaDDTree's joint budget over a batch of requests verified in one forward: one tree each.
 
@@ -387,8 +396,18 @@ def build_joint_caddtrees(
     convex, as for one request). ``n = 0`` is batched plain decoding: every request still verifies
     its bonus row, so the surrogate is never below batched AR's. Each tree equals
     :func:`build_ddtree` of its request with ``len(tree)`` nodes.
+
+    ``calibration`` (``kappa > 0``) is how many tokens a unit of the drafter's prefix mass is
+    worth: the surrogate is ``sum_i (1 + kappa Phi_i(n_i)) / round_costs[n]``, for a drafter
+    whose ``Phi`` over- (``kappa < 1``) or under-states what the target accepts. It is the same
+    rule with ``R / kappa`` bonus rows, so the order of the prefixes and the optimality argument
+    are unchanged; only where the total stops moves.
     """
     max_nodes = check_int("max_nodes", max_nodes, minimum=0)
+    if not (
+        isinstance(calibration, (int, float)) and math.isfinite(calibration) and calibration > 0
+    ):
+        raise InvalidInputError(f"calibration must be a positive number, got {calibration!r}")
     costs = np.asarray(round_costs, dtype=np.float64)
     if costs.ndim != 1 or costs.shape[0] < max_nodes + 1:
         raise InvalidInputError(
@@ -400,7 +419,8 @@ def build_joint_caddtrees(
     if not draft_logits:
         return []
     requests = [Candidates(logits) for logits in draft_logits]
-    return _expand_many(requests, max_nodes, costs[: max_nodes + 1].tolist())
+    base = len(requests) / float(calibration)
+    return _expand_many(requests, max_nodes, costs[: max_nodes + 1].tolist(), base)
 
 
 def surrogate_throughput(

@@ -49,6 +49,10 @@ _DRAFT_TIMES = 16  # drafter passes remembered per batch size, for the joint bud
 _SKIP_ROUNDS = 8  # rounds without drafting after a joint round where drafting did not pay
 _RATE_ROUNDS = 16  # joint rounds remembered per batch size and kind, for the measured rates
 _MAX_BACKOFF = 4  # skip windows double while drafting keeps measuring slower, up to 16x
+_CALIBRATION_TREES = 256  # drafted trees remembered for the drafter's calibration
+_CALIBRATION_PRIOR = 4.0  # prefix mass at calibration 1 counted before any tree is verified
+_DEPTH_ROUNDS = 16  # joint rounds whose deepest node sets how deep the next ones draft
+_DEPTH_MARGIN = 2  # positions drafted past the deepest node of those rounds
 
 
 @dataclass(eq=False)
@@ -60,7 +64,7 @@ class _Running:
     slot: int
     length: int
     bonus: int
-    features: torch.Tensor
+    features: list[torch.Tensor]  # in order; joined only when the drafter reads them
     context: TokenContext | None
 
 
@@ -97,14 +101,43 @@ class BatchDecoder:
             BatchProposer(drafter, target.model, self.max_batch) if drafter is not None else None
         )
         self._free = list(range(self.max_batch))
-        self._draft_times: dict[int, deque[float]] = {}  # drafter pass seconds, by sequences
+        # drafter pass seconds, by sequences and positions per block
+        self._draft_times: dict[tuple[int, int], deque[float]] = {}
+        self._positions = 0  # block rows of this round's drafter pass
+        self._joint_depths: deque[int] = deque(maxlen=_DEPTH_ROUNDS)  # deepest node per round
         self._skip = (0, 0)  # (batch size, rounds left) that decode without drafting
         self._slower: dict[
             int, int
         ] = {}  # by batch size: measured judgements in a row against drafting
         # (batch size, drafted) -> (tokens committed, seconds) of recent joint rounds
         self._rates: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
+        # (prefix mass, nodes accepted) of recently verified trees, for the calibration
+        self._verified: deque[tuple[float, int]] = deque(maxlen=_CALIBRATION_TREES)
+        self._verified_sums = (0.0, 0)  # their prefix mass and accepted nodes
+        self._misses = _CostMisses()
+        self._modelled = (0.0, 0)  # the last joint round's modelled seconds and drafting requests
         self._running: list[_Running] = []
+
+    @property
+    def calibration(self) -> float:
+        """Tokens the target accepts per unit of the drafter's prefix mass ``Phi``, over the
+        recent trees this decoder verified (the joint budget's ``kappa``,
+        :func:`~caddtree.core.tree.build_joint_caddtrees`): a drafter's marginals are seldom
+        calibrated (the built-in one's trees are accepted about 3/4 as often as their ``Phi``
+        says). Acceptance belongs to the drafter and the target, not to the batch, so trees of
+        every batch size count; before there are many, a prior of ``Phi`` at face value weighs in."""
+        mass, accepted = self._verified_sums
+        return (accepted + _CALIBRATION_PRIOR) / (mass + _CALIBRATION_PRIOR)
+
+    def _remember_verified(self, phi: float, accepted: int) -> None:
+        if len(self._verified) == self._verified.maxlen:
+            old_phi, old_accepted = self._verified[0]
+            self._verified_sums = (
+                self._verified_sums[0] - old_phi,
+                self._verified_sums[1] - old_accepted,
+            )
+        self._verified.append((phi, accepted))
+        self._verified_sums = (self._verified_sums[0] + phi, self._verified_sums[1] + accepted)
 
     @property
     def running(self) -> list[GenerationRequest]:
@@ -161,7 +194,7 @@ class BatchDecoder:
         bonus = sampler.choose(logits[-1], context.ids() if context is not None else None)
         if self.proposer is not None:
             self.proposer.reset(slot)
-        return _Running(request, slot, len(prompt), bonus, features, context)
+        return _Running(request, slot, len(prompt), bonus, [features], context)
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request; returns the ones that finished in it."""
@@ -194,6 +227,8 @@ class BatchDecoder:
                 moves.append(self._walk(running, tree, logits[rows], features[rows], chosen))
                 offset += n
                 stats = running.request.round_stats[-1]
+                if stats.budget:
+                    self._remember_verified(stats.phi, stats.accepted)
                 stats.draft_s, stats.forward_s = drafted - start, forward_s
                 stats.round_s = stats.verify_s = time.perf_counter() - drafted
                 committed += stats.committed
@@ -203,7 +238,9 @@ class BatchDecoder:
         finally:  # the walked requests' caches match their lengths, whatever happened after
             self.target.compact_many([m for m in moves if m is not None])
         if joint is not None:
-            self._remember_rate(batch, drafts, committed, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self._remember_rate(batch, drafts, committed, seconds)
+            self._misses.remember(*self._modelled, seconds)
         return finished
 
     def _remember_rate(
@@ -257,24 +294,44 @@ class BatchDecoder:
         """Every running request's draft logits for this round, from one drafter pass (``None``
         for a request that does not draft now: its policy does not, or one token is left)."""
         wanted = {}
+        joint_reach = self._joint_reach()
         for running in self._running:
             request = running.request
             max_depth = request.max_new_tokens - len(request.output) - 1
+            joint = joint_reach if request.policy.name == "caddtree" else None
+            for reach in (request.policy.reach, joint):
+                max_depth = max_depth if reach is None else min(max_depth, reach)
             if request.policy.needs_drafter and max_depth > 0:
                 wanted[running.slot] = max_depth
         if not wanted or self._skipping():
             return [None] * len(self._running)
-        calls = [DraftCall(r.slot, r.bonus, r.features) for r in self._running if r.slot in wanted]
+        calls = [
+            DraftCall(r.slot, r.bonus, _joined(r.features))
+            for r in self._running
+            if r.slot in wanted
+        ]
+        # each block as deep as its tree can reach: the positions past that nobody reads
+        sizes = [min(self.proposer.block_size, 1 + wanted[c.slot]) for c in calls]
+        self._positions = sum(sizes)
         began = time.perf_counter()
-        drafted = dict(zip(wanted, self.proposer.propose(calls)))
+        drafted = dict(zip(wanted, self.proposer.propose(calls, sizes)))
         for running in self._running:
             if running.slot in wanted:  # the drafter has these features now
-                running.features = running.features[:0]
-        times = self._draft_times.setdefault(len(calls), deque(maxlen=_DRAFT_TIMES))
+                running.features = []
+        key = (len(calls), self._positions)
+        times = self._draft_times.setdefault(key, deque(maxlen=_DRAFT_TIMES))
         times.append(time.perf_counter() - began)
         return [
             drafted[r.slot][: wanted[r.slot]] if r.slot in wanted else None for r in self._running
         ]
+
+    def _joint_reach(self) -> int | None:
+        """How deep a joint round drafts: :data:`_DEPTH_MARGIN` past the deepest node of the last
+        :data:`_DEPTH_ROUNDS` joint rounds that drafted (the whole block before there are any,
+        or outside joint budgets). Trees that reach that depth widen it again by the margin."""
+        if self.joint_cost_model is None or not self._joint_depths:
+            return None
+        return max(self._joint_depths) + _DEPTH_MARGIN
 
     def _skipping(self) -> bool:
         """Whether this round skips drafting (:meth:`_judge_drafting`): only joint rounds of the
@@ -304,32 +361,46 @@ class BatchDecoder:
         model, running = self.joint_cost_model, self._running
         if model is None or any(r.request.policy.name != "caddtree" for r in running):
             return None
-        batch = len(running)
-        context = int(np.mean([r.length for r in running]))
-        if isinstance(model, BatchCostModel):
-            verify = model.verify_cost_table(batch, context, self.joint_max_nodes)
-        else:
-            table = model.round_cost_table(context, batch - 1 + self.joint_max_nodes)
-            verify = table[batch - 1 :] - model.draft_cost
-        drafting = sum(d is not None for d in drafts)
-        costs = verify + self._draft_cost(drafting, model)
         present = [d for d in drafts if d is not None]
-        chosen = build_joint_caddtrees(present, costs, self.joint_max_nodes)
-        if present:  # a round that drafted: did it pay?
-            self._judge_drafting(chosen, costs, float(verify[0]))
+        verify = self._verify_costs(model)
+        misses = self._misses
+        if not present:  # batched plain decoding: nothing to choose
+            self._modelled = (float(verify[0]), 0)
+            return [DraftTree.empty() for _ in drafts]
+        modelled = verify + self._draft_cost(len(present), model)
+        costs = modelled + misses.plain_s + len(present) * misses.per_draft_s
+        kappa = self.calibration
+        chosen = build_joint_caddtrees(present, costs, self.joint_max_nodes, calibration=kappa)
+        self._modelled = (float(modelled[sum(len(t) for t in chosen)]), len(present))
+        # did it pay? how deep did it go?
+        self._judge_drafting(chosen, costs, float(verify[0]) + misses.plain_s, kappa)
+        self._joint_depths.append(max((int(t.depths.max()) for t in chosen if len(t)), default=0))
         built = iter(chosen)
         return [
             d.in_target_ids(next(built)) if d is not None else DraftTree.empty() for d in drafts
         ]
 
-    def _judge_drafting(self, trees: list[DraftTree], costs: np.ndarray, plain_cost: float) -> None:
+    def _verify_costs(self, model: CostModel | BatchCostModel) -> np.ndarray:
+        """Modelled seconds to verify the running requests' bonus rows and ``n = 0 ..
+        joint_max_nodes`` tree nodes in all, at their mean context."""
+        batch = len(self._running)
+        context = sum(r.length for r in self._running) // batch
+        if isinstance(model, BatchCostModel):
+            return model.verify_cost_table(batch, context, self.joint_max_nodes)
+        table = model.round_cost_table(context, batch - 1 + self.joint_max_nodes)
+        return table[batch - 1 :] - model.draft_cost
+
+    def _judge_drafting(
+        self, trees: list[DraftTree], costs: np.ndarray, plain_cost: float, kappa: float
+    ) -> None:
         """After a joint round that drafted: whether the next :data:`_SKIP_ROUNDS` rounds of this
         batch size decode plainly without drafting (then the drafter is tried again). Once rounds
         of both kinds have been timed at this batch size, the measured tokens per second decide
         (the cost model's surrogate can misjudge both acceptance and this engine's costs), and
         each time in a row they find drafting slower the window doubles (up to 16 times), so a
         batch size where drafting never pays spends ever fewer rounds trying it; before, the
-        cost model does: skip when the round's surrogate, drafting included, is below
+        cost model does: skip when the round's surrogate (its prefix mass at the decoder's
+        :attr:`calibration` ``kappa``), drafting included, is below
         batched plain decoding's without a drafter pass (``len(requests) / plain_cost``). Where
         drafting cannot pay (large batches on a few cores), the batch runs at batched AR's speed
         instead of paying for drafts it verifies none of."""
@@ -344,15 +415,15 @@ class BatchDecoder:
                 self._slower[batch] = 0
             return
         nodes = sum(len(t) for t in trees)
-        drafted = (batch + sum(t.phi for t in trees)) / costs[nodes]
+        drafted = (batch + kappa * sum(t.phi for t in trees)) / costs[nodes]
         if drafted < batch / plain_cost:
             self._skip = (batch, _SKIP_ROUNDS)
 
     def _draft_cost(self, sequences: int, model: CostModel | BatchCostModel) -> float:
-        """Seconds of a drafter pass of ``sequences`` sequences (0: none): the median of the
-        last timed ones, or before there are three, ``model``'s (a one-sequence model's for each
-        sequence)."""
-        timed = self._draft_times.get(sequences, ())
+        """Seconds of a drafter pass of ``sequences`` sequences (0: none) with this round's
+        block rows: the median of the last timed ones, or before there are three,
+        ``model``'s (a one-sequence model's for each sequence; whole blocks)."""
+        timed = self._draft_times.get((sequences, self._positions), ())
         if not sequences:
             return 0.0
         if len(timed) >= 3:
@@ -399,9 +470,7 @@ class BatchDecoder:
         running.length += len(rows)
         accepted = features[torch.tensor(rows, device=features.device)]
         # the drafter has not seen them yet: kept (with any of rounds it skipped) until it has
-        if request.policy.needs_drafter:
-            accepted = torch.cat([running.features, accepted])
-        running.features = accepted
+        running.features = [*running.features, accepted] if request.policy.needs_drafter else []
         running.bonus = next_bonus
         return move
 
@@ -416,6 +485,38 @@ class BatchDecoder:
         if running.context is not None and reason is None:
             running.context.commit(tokens[:keep])
         request.stop_reason = reason
+
+
+class _CostMisses:
+    """What the cost model leaves out of this decoder's joint rounds, as measured: the seconds a
+    plain round takes beyond its modelled cost (the round's bookkeeping), and, per drafting
+    request, what a round that drafts takes beyond that (building and walking its tree, its
+    context rows in the drafter pass, ...). Both are medians of recent rounds of any batch size
+    (0 before there are a few), so a batch size met for the first time is priced with them."""
+
+    def __init__(self) -> None:
+        self._plain: deque[float] = deque(maxlen=_RATE_ROUNDS)
+        self._per_draft: deque[float] = deque(maxlen=2 * _RATE_ROUNDS)
+
+    @property
+    def plain_s(self) -> float:
+        return float(np.median(self._plain)) if len(self._plain) >= 3 else 0.0
+
+    @property
+    def per_draft_s(self) -> float:
+        if len(self._per_draft) < 3:
+            return 0.0
+        return max(0.0, float(np.median(self._per_draft)))
+
+    def remember(self, modelled: float, drafting: int, seconds: float) -> None:
+        if drafting:
+            self._per_draft.append((seconds - modelled - self.plain_s) / drafting)
+        else:
+            self._plain.append(seconds - modelled)
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def _first_nodes(tree: DraftTree, count: int) -> DraftTree:

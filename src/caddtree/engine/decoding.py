@@ -92,11 +92,13 @@ class Proposer(Protocol):
 class TreePolicy(Protocol):
     """Chooses the draft tree of a round from the drafter's logits. ``reserve_nodes`` is how
     many tree nodes a call reserves cache room for after the output (a tree may still be larger:
-    the cache then grows)."""
+    the cache then grows); ``reach`` how deep its trees can go (``None``: as deep as the
+    draft), so a batched drafter pass drafts no deeper than that."""
 
     name: str
     needs_drafter: bool
     reserve_nodes: int
+    reach: int | None
 
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree: ...
 
@@ -108,6 +110,7 @@ class NoTree:
     name: str = "ar"
     needs_drafter: bool = False
     reserve_nodes: int = 0
+    reach: int | None = 0
 
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return DraftTree.empty()
@@ -120,6 +123,7 @@ class Chain:
     name: str = "dflash"
     needs_drafter: bool = True
     reserve_nodes: int = DEFAULT_DDTREE_BUDGET
+    reach: int | None = None
 
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_chain(draft_logits)
@@ -137,6 +141,10 @@ class Budget:
     def reserve_nodes(self) -> int:
         return self.budget
 
+    @property
+    def reach(self) -> int:
+        return self.budget  # a tree of n nodes is at most n deep
+
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_ddtree(draft_logits, self.budget)
 
@@ -152,6 +160,10 @@ class CostAware:
 
     @property
     def reserve_nodes(self) -> int:
+        return self.max_budget
+
+    @property
+    def reach(self) -> int:
         return self.max_budget
 
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:

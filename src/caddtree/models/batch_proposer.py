@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..util.checks import check_int
+from ..util.checks import check_int, is_int
 from ..util.errors import CheckpointError, InvalidInputError
 from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
 from .drafts import PROJECTION_STEPS, DraftLogits
@@ -45,6 +45,7 @@ from .kernels import (
     tree_attention_batch,
 )
 from .layers import Shape, decoder_layer, fused_linear, layer_weights, rms_norm, rotary_tables
+from .packing import pack_linear_layers
 
 __all__ = ["BatchProposer", "DraftCall"]
 
@@ -82,6 +83,8 @@ class BatchProposer:
             raise CheckpointError("the target model must have input embeddings and an lm_head")
         ids = drafter.draft_token_ids
         self.lm_head = draft_lm_head(lm_head, ids)
+        if pack and ids is not None:  # its own copy of the head's rows, packed like the rest
+            pack_linear_layers(self.lm_head)
         #: target id of each draft id (numpy int64 [K]), or ``None`` with the full vocabulary
         self.token_map = None if ids is None else ids.cpu().numpy()
         #: how :meth:`propose`'s logits are projected (see :class:`DraftLogits`)
@@ -155,11 +158,28 @@ class BatchProposer:
             self._cos, self._sin = rotary_tables(rotary, size, self.device, self.dtype)
 
     @torch.no_grad()
-    def propose(self, calls: Sequence[DraftCall]) -> list[DraftLogits]:
+    def propose(
+        self, calls: Sequence[DraftCall], positions: Sequence[int] | None = None
+    ) -> list[DraftLogits]:
         """One drafter pass for ``calls`` (distinct slots); the draft logits of each block's
         positions ``1 .. q-1``, as :meth:`DFlashProposer.propose
-        <caddtree.models.proposer.DFlashProposer.propose>` returns them."""
-        plan = self._plan(calls)
+        <caddtree.models.proposer.DFlashProposer.propose>` returns them.
+
+        ``positions``: each call's block size ``q`` (its bonus and ``q - 1`` masks; 2 .. the
+        drafter's block size, which is the default). Where no tree can reach deeper than
+        ``q - 1``, a shorter block saves the drafter the rows nothing reads. The first
+        positions' marginals move a little, since the masks after them are not there; the
+        built-in pair's trees were accepted as often (``docs/design.md``, "How deep a batch
+        drafts"). A call's logits depend on its own ``q``, not on the other calls'."""
+        sizes = [self.block_size] * len(calls) if positions is None else list(positions)
+        if len(sizes) != len(calls) or not all(
+            is_int(q) and 2 <= q <= self.block_size for q in sizes
+        ):
+            raise InvalidInputError(
+                f"a drafter pass takes 2 .. {self.block_size} positions per block, one size "
+                f"per call; got {positions!r} for {len(calls)} calls"
+            )
+        plan = self._plan(calls, [int(q) for q in sizes])
         self._reserve(max(plan.ends))
         self._ensure_positions(max(plan.ends))
         width = self.drafter.fc.in_features
@@ -174,19 +194,26 @@ class BatchProposer:
             attend = _Attend(self, index, plan)
             hidden = decoder_layer(layer, self.shape, hidden, cos, sin, attend, context)
         hidden = rms_norm(hidden, self.drafter.norm.weight, self.shape.eps)
-        hidden = hidden.view(len(calls), self.block_size, -1)
         for call, start in zip(calls, plan.starts):
             self.lengths[call.slot] = start
-        hidden = hidden[:, 1:].to(self.lm_head.weight)
-        if self.project_at_once:  # every block's positions in one call
-            logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
-            return [DraftLogits.precomputed(logits[b], self.token_map) for b in range(len(calls))]
+        return self._draft_logits(hidden, plan)
+
+    def _draft_logits(self, hidden: torch.Tensor, plan: _Plan) -> list[DraftLogits]:
+        """Each block's positions after its bonus, as draft logits: projected now, every block in
+        one call (:attr:`project_at_once`), or on demand."""
+        drafted = hidden[1:] if len(plan.sizes) == 1 else hidden[plan.drafted]
+        drafted = drafted.to(self.lm_head.weight)
+        lengths = [q - 1 for q in plan.sizes]
+        if self.project_at_once:
+            logits = self.lm_head(drafted).split(lengths)
+            return [DraftLogits.precomputed(block, self.token_map) for block in logits]
+        blocks = drafted.split(lengths)
         return [
-            DraftLogits(hidden[b], self.lm_head, self.projection_steps, self.token_map)
-            for b in range(len(calls))
+            DraftLogits(block, self.lm_head, self.projection_steps, self.token_map)
+            for block in blocks
         ]
 
-    def _plan(self, calls: Sequence[DraftCall]) -> _Plan:
+    def _plan(self, calls: Sequence[DraftCall], sizes: list[int]) -> _Plan:
         slots = [int(c.slot) for c in calls]
         if (
             not calls
@@ -196,28 +223,31 @@ class BatchProposer:
             raise InvalidInputError(
                 f"a drafter pass needs distinct slots below {self.slots}: {slots}"
             )
-        q = self.block_size
         counts = [int(c.features.reshape(-1, c.features.shape[-1]).shape[0]) for c in calls]
         firsts = [self.lengths[s] for s in slots]
         starts = [f + c for f, c in zip(firsts, counts)]
-        block = np.full((len(calls), q), self.drafter.mask_token_id, dtype=np.int64)
-        block[:, 0] = [int(c.bonus) for c in calls]
+        block = np.full(sum(sizes), self.drafter.mask_token_id, dtype=np.int64)
+        heads = np.cumsum([0] + sizes[:-1])  # each block's bonus row among the block rows
+        block[heads] = [int(c.bonus) for c in calls]
         # every row's cache entry (which is its position): context rows first, then the blocks
         entries = np.concatenate(
             [np.arange(f, s) for f, s in zip(firsts, starts)]
-            + [np.arange(s, s + q) for s in starts]
+            + [np.arange(s, s + q) for s, q in zip(starts, sizes)]
         )
-        row_slots = np.concatenate([np.repeat(slots, counts), np.repeat(slots, q)])
+        row_slots = np.concatenate([np.repeat(slots, counts), np.repeat(slots, sizes)])
         index = torch.from_numpy(np.stack((entries, row_slots))).to(self.device)
+        ends = [s + q for s, q in zip(starts, sizes)]
         return _Plan(
+            sizes=sizes,
             slots=slots,
             counts=counts,
             starts=starts,
-            ends=[s + q for s in starts],
-            block=torch.from_numpy(block.reshape(-1)),
+            ends=ends,
+            block=torch.from_numpy(block),
             positions=index[0],
             write=None if len(calls) == 1 else (index[1], index[0]),
-            visible=torch.ones((q, max(starts) + q), dtype=torch.bool, device=self.device),
+            visible=torch.ones((max(sizes), max(ends)), dtype=torch.bool, device=self.device),
+            drafted=torch.from_numpy(np.delete(np.arange(sum(sizes)), heads)).to(self.device),
         )
 
 
@@ -225,9 +255,11 @@ class _Plan(NamedTuple):
     """Where a pass's rows go: per sequence its slot, its count of new context rows, its new
     length (``starts``: its block's first position) and block end; every row's position, which
     is its cache entry (context rows first, then the blocks), and for several sequences the
-    (slot, entry) of every row; and a mask that shows a block everything up to its end (sliced
-    per sequence: caddtree's attention kernel takes one)."""
+    (slot, entry) of every row; a mask that shows a block everything up to its end (sliced
+    per sequence: caddtree's attention kernel takes one); each block's size (``sizes``), and
+    which block rows are drafted positions (``drafted``: all but each block's bonus row)."""
 
+    sizes: list[int]
     slots: list[int]
     counts: list[int]
     starts: list[int]
@@ -236,12 +268,13 @@ class _Plan(NamedTuple):
     positions: torch.Tensor
     write: tuple[torch.Tensor, torch.Tensor] | None
     visible: torch.Tensor
+    drafted: torch.Tensor
 
 
 class _Attend:
     """The cache's part of a drafter layer (:data:`~caddtree.models.layers.Attend`): writes the
     keys and values of the context and block rows into their slots, then attends each block over
-    its slot's first ``start + q`` entries (all of them visible)."""
+    its slot's first ``start + q`` entries (all of them visible; ``q`` its own size)."""
 
     def __init__(self, proposer: BatchProposer, index: int, plan: _Plan) -> None:
         self.proposer, self.plan = proposer, plan
@@ -250,15 +283,15 @@ class _Attend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._write(k, v)
         proposer, plan = self.proposer, self.plan
-        size = proposer.block_size
+        blocks = zip(plan.slots, plan.sizes, plan.ends)
         if proposer.fused_attention and len(plan.slots) > 1:  # every block in one call
-            seqs = torch.tensor([(slot, size, end) for slot, end in zip(plan.slots, plan.ends)])
+            seqs = torch.tensor(list(blocks))
             visible = plan.visible[:1].expand(q.shape[0], -1)
             return tree_attention_batch(q, self.keys, self.values, visible, seqs, proposer.scale)
-        out = []
-        for b, (slot, end) in enumerate(zip(plan.slots, plan.ends)):
-            query = q[b * size : (b + 1) * size]
-            out.append(self._attend(query, slot, end))
+        out = [
+            self._attend(query, slot, end)
+            for query, (slot, _, end) in zip(q.split(plan.sizes), blocks)
+        ]
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -277,7 +310,7 @@ class _Attend:
         proposer = self.proposer
         keys, values = self.keys[slot], self.values[slot]
         if proposer.fused_attention:
-            visible = self.plan.visible[:, :end]
+            visible = self.plan.visible[: query.shape[0], :end]
             return tree_attention(query, keys, values, visible, proposer.scale)
         shape = proposer.shape
         out = F.scaled_dot_product_attention(

@@ -24,14 +24,21 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-[[gnu::target("amx-tile")]] inline void load_tile_config() {
+// Tile t holds rows[t] rows (each of 64 bytes).
+[[gnu::target("amx-tile")]] inline void load_tile_rows(const uint8_t (&rows)[8]) {
   TileConfig config{};
   config.palette = 1;
   for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
+    config.rows[t] = rows[t];
     config.colsb[t] = 64;
   }
   _tile_loadconfig(&config);
+}
+
+// Every tile 16 rows.
+[[gnu::target("amx-tile")]] inline void load_tile_config() {
+  const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  load_tile_rows(rows);
 }
 
 }  // namespace caddtree_amx
