@@ -150,7 +150,8 @@ def test_bad_requests_are_refused(qwen3, drafter):
 
 @pytest.mark.parametrize("max_batch", [2, 4])
 def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch):
-    """CaDDTree requests whose trees come from one joint budget: still plain greedy decoding."""
+    """CaDDTree requests whose trees come from one joint budget: still plain greedy decoding. A
+    request left alone (the batch draining) builds its own CaDDTree tree."""
     target = LeanTarget(qwen3, FEATURE_LAYER_IDS)
     batch = BatchDecoder(
         target, drafter, max_batch=max_batch, capacity=64, joint_cost_model=COST, joint_max_nodes=24
@@ -163,7 +164,7 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
 
     def spy(drafts):
         trees = original(drafts)
-        seen.append(trees)
+        seen.append((len(batch.running), trees))
         return trees
 
     batch._joint_trees = spy
@@ -171,8 +172,10 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
     for request in done:
         reference = hf_generate(qwen3, list(request.prompt_ids), request.max_new_tokens)
         assert request.output == reference
-    assert all(trees is not None for trees in seen)
-    assert any(sum(len(t) for t in trees) > 0 for trees in seen)  # the joint trees were verified
+    assert all((trees is not None) == (running > 1) for running, trees in seen)
+    assert {running for running, _ in seen} == set(range(1, max_batch + 1))
+    # the joint trees were verified
+    assert any(sum(len(t) for t in trees) > 0 for _, trees in seen if trees is not None)
 
 
 def joint_decoder(target, drafter, max_batch):

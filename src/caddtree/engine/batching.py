@@ -7,8 +7,8 @@ returns them and frees their slots): continuous batching. Each round
 
 1. drafts for every request that drafts, all in **one** drafter pass
    (:class:`~caddtree.models.batch_proposer.BatchProposer`: each request's block sees only its
-   own drafter cache slot), and builds each request's tree with its own policy (AR, DFlash,
-   DDTree, CaDDTree);
+   own drafter cache slot, and is as deep as its tree can reach), and builds each request's tree
+   with its own policy (AR, DFlash, DDTree, CaDDTree), or all of them with one joint budget;
 2. verifies all the trees in **one** target forward (:meth:`LeanTarget.forward` of
    :class:`~caddtree.models.lean.Rows`: each request's rows see only its own cache and tree);
 3. walks each request's tree with its own sampler, stops it where plain decoding would stop, and
@@ -294,7 +294,7 @@ class BatchDecoder:
         """Every running request's draft logits for this round, from one drafter pass (``None``
         for a request that does not draft now: its policy does not, or one token is left)."""
         wanted = {}
-        joint_reach = self._joint_reach()
+        joint_reach = self._joint_reach() if len(self._running) > 1 else None
         for running in self._running:
             request = running.request
             max_depth = request.max_new_tokens - len(request.output) - 1
@@ -349,8 +349,10 @@ class BatchDecoder:
 
     def _joint_trees(self, drafts: list[DraftLogits | None]) -> list[DraftTree] | None:
         """Every request's tree from one joint budget (:func:`~caddtree.core.tree.
-        build_joint_caddtrees`), when the decoder has a ``joint_cost_model`` and every running
-        request is a CaDDTree one; ``None`` otherwise.
+        build_joint_caddtrees`), when the decoder has a ``joint_cost_model`` and two or more
+        running requests, all CaDDTree ones; ``None`` otherwise. A request alone builds its own
+        CaDDTree tree (what the joint budget of one request is), priced by its own cost model:
+        the one-sequence model of the path it runs on, without the batch's skipping rules.
 
         A round of ``B`` requests with ``n`` nodes in all is priced by the measured batch cost
         model (:class:`~caddtree.engine.batch_cost.BatchCostModel`: ``C_v(n; B, context)`` at the
@@ -359,7 +361,9 @@ class BatchDecoder:
         pass of ``B`` sequences as this decoder has timed it (the median of its last passes of
         that size; before three of them, the model's)."""
         model, running = self.joint_cost_model, self._running
-        if model is None or any(r.request.policy.name != "caddtree" for r in running):
+        if model is None or len(running) < 2:  # one request: its own CaDDTree is the joint one
+            return None
+        if any(r.request.policy.name != "caddtree" for r in running):
             return None
         present = [d for d in drafts if d is not None]
         verify = self._verify_costs(model)
