@@ -191,11 +191,13 @@ def joint_decoder(target, drafter, max_batch):
 
 
 @pytest.mark.parametrize("draft_cost", [0.0, 1.0])
-def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_cost):
+def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_cost, monkeypatch):
     """Where a drafter pass costs more than any tree can win back, joint rounds decode plainly
     without drafting (for a few rounds, then try again); the drafter still receives every
-    committed token's features when it drafts again, so outputs stay plain greedy decoding. A
-    free drafter pass is never skipped (a round with no nodes ties with plain decoding)."""
+    committed token's features when it drafts again, so outputs stay plain greedy decoding.
+    Without the margin drafting must win by, a free drafter pass is never skipped (a round with
+    no nodes ties with plain decoding)."""
+    monkeypatch.setattr(batching, "_DRAFT_MARGIN", 1.0)
     batch = joint_decoder(qwen3, drafter, 3)
     batch._draft_cost = lambda sequences, model: draft_cost  # the timed cost, made exact here
     batch._misses.remember = lambda *measured: None  # and nothing measured beside it
@@ -258,8 +260,8 @@ def test_what_the_cost_model_leaves_out_is_measured():
 
 def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
     """Once joint rounds that drafted and rounds that did not have both been timed at a batch
-    size, the faster kind wins, whatever the cost model's surrogate says; before, the surrogate
-    decides. Rounds are timed by the decoder itself."""
+    size, the faster kind wins (drafting by a margin), whatever the cost model's surrogate
+    says; before, the surrogate decides. Rounds are timed by the decoder itself."""
     batch = joint_decoder(qwen3, drafter, 2)
     caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
     for prompt in PROMPTS[:2]:
@@ -284,6 +286,13 @@ def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
     batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
     batch._rates[(2, False)] = deque([(4, 0.5)] * 4)
     batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), 10.0, kappa=1.0)
+    assert batch._skip == (2, batching._SKIP_ROUNDS)
+    # drafting measured faster, but by less than the margin it must win by: not enough
+    batch._skip, batch._slower[2] = (0, 0), 0
+    batch._rates[(2, True)] = deque([(4, 1.0)] * 4)
+    batch._rates[(2, False)] = deque([(4, 1.02)] * 4)
+    assert batch._measured_rates(2)[0] > batch._measured_rates(2)[1]
+    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
     assert batch._skip == (2, batching._SKIP_ROUNDS)
 
 

@@ -53,6 +53,12 @@ _CALIBRATION_TREES = 256  # drafted trees remembered for the drafter's calibrati
 _CALIBRATION_PRIOR = 4.0  # prefix mass at calibration 1 counted before any tree is verified
 _DEPTH_ROUNDS = 16  # joint rounds whose deepest node sets how deep the next ones draft
 _DEPTH_MARGIN = 2  # positions drafted past the deepest node of those rounds
+# Drafting must beat plain rounds by this much to go on. Its costs outside its own rounds do not
+# show in them: requests drafted at different speeds fall out of step and the batch thins out as
+# they finish one by one, and the first pass after a pause reads every token since. At batch 8 on
+# the built-in pair, drafting rounds measured as fast as plain ones, yet the batch made 7% fewer
+# tokens per second than one that never drafted (benchmarks/batch_throughput.py, docs/server.md).
+_DRAFT_MARGIN = 1.05
 
 
 @dataclass(eq=False)
@@ -401,17 +407,18 @@ class BatchDecoder:
         batch size decode plainly without drafting (then the drafter is tried again). Once rounds
         of both kinds have been timed at this batch size, the measured tokens per second decide
         (the cost model's surrogate can misjudge both acceptance and this engine's costs), and
-        each time in a row they find drafting slower the window doubles (up to 16 times), so a
-        batch size where drafting never pays spends ever fewer rounds trying it; before, the
-        cost model does: skip when the round's surrogate (its prefix mass at the decoder's
-        :attr:`calibration` ``kappa``), drafting included, is below
-        batched plain decoding's without a drafter pass (``len(requests) / plain_cost``). Where
+        each time in a row they find drafting not :data:`_DRAFT_MARGIN` faster the window doubles
+        (up to 16 times), so a batch size where drafting never pays spends ever fewer rounds
+        trying it; before, the cost model does: skip when the round's surrogate (its prefix mass
+        at the decoder's :attr:`calibration` ``kappa``), drafting included, is not
+        :data:`_DRAFT_MARGIN` above batched plain decoding's without a drafter pass
+        (``len(requests) / plain_cost``). Where
         drafting cannot pay (large batches on a few cores), the batch runs at batched AR's speed
         instead of paying for drafts it verifies none of."""
         batch = len(self._running)
         measured = self._measured_rates(batch)
         if measured is not None:  # both kinds of round measured: the faster one wins
-            if measured[1] > measured[0]:  # each time in a row, a window twice as long
+            if measured[1] * _DRAFT_MARGIN > measured[0]:  # in a row, a window twice as long
                 streak = self._slower.get(batch, 0)
                 self._skip = (batch, _SKIP_ROUNDS << min(streak, _MAX_BACKOFF))
                 self._slower[batch] = streak + 1
@@ -420,7 +427,7 @@ class BatchDecoder:
             return
         nodes = sum(len(t) for t in trees)
         drafted = (batch + kappa * sum(t.phi for t in trees)) / costs[nodes]
-        if drafted < batch / plain_cost:
+        if drafted < _DRAFT_MARGIN * batch / plain_cost:
             self._skip = (batch, _SKIP_ROUNDS)
 
     def _draft_cost(self, sequences: int, model: CostModel | BatchCostModel) -> float:
