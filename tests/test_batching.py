@@ -241,6 +241,25 @@ def test_a_joint_batch_calibrates_and_drafts_as_deep_as_its_trees_went(qwen3, dr
     assert batch._joint_reach() == deepest + batching._DEPTH_MARGIN
 
 
+def test_outside_joint_rounds_a_caddtree_request_drafts_as_deep_as_it_can(qwen3, drafter):
+    """The joint rounds' depth only bounds joint rounds: with a DDTree request in the batch the
+    trees are each request's own, and a CaDDTree request drafts as deep as its own budget."""
+    batch = joint_decoder(qwen3, drafter, 3)
+    caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
+    for prompt in PROMPTS[:2]:
+        batch.add(GenerationRequest(prompt, caddtree, 60))
+    for _ in range(3):
+        batch.step()
+    assert all(len(r.output) < 60 - drafter.block_size for r in batch.running)
+    assert batch._joint_reach() is not None and batch._joint_reach() + 1 < drafter.block_size
+    batch.add(GenerationRequest(PROMPTS[2], make_policy("ddtree", budget=4), 20))
+    seen = []
+    propose = batch.proposer.propose
+    batch.proposer.propose = lambda calls, q: seen.extend(q) or propose(calls, q)
+    batch.step()
+    assert seen == [drafter.block_size, drafter.block_size, 5]
+
+
 def test_what_the_cost_model_leaves_out_is_measured():
     """The seconds a joint round takes beyond its modelled cost: a plain round's, and per
     drafting request what a drafting round takes beyond that; medians, 0 before three."""

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..util.checks import check_int
+from ..util.checks import check_int, is_number
 from ..util.errors import InvalidInputError
 from .candidates import Candidates, DraftInput, DraftRows, TopK, topk_log_probs
 
@@ -404,9 +404,7 @@ def build_joint_caddtrees(
     are unchanged; only where the total stops moves.
     """
     max_nodes = check_int("max_nodes", max_nodes, minimum=0)
-    if not (
-        isinstance(calibration, (int, float)) and math.isfinite(calibration) and calibration > 0
-    ):
+    if not (is_number(calibration) and math.isfinite(calibration) and calibration > 0):
         raise InvalidInputError(f"calibration must be a positive number, got {calibration!r}")
     costs = np.asarray(round_costs, dtype=np.float64)
     if costs.ndim != 1 or costs.shape[0] < max_nodes + 1:

@@ -300,12 +300,11 @@ class BatchDecoder:
         """Every running request's draft logits for this round, from one drafter pass (``None``
         for a request that does not draft now: its policy does not, or one token is left)."""
         wanted = {}
-        joint_reach = self._joint_reach() if len(self._running) > 1 else None
+        joint_reach = self._joint_reach() if self._joint_round() else None
         for running in self._running:
             request = running.request
             max_depth = request.max_new_tokens - len(request.output) - 1
-            joint = joint_reach if request.policy.name == "caddtree" else None
-            for reach in (request.policy.reach, joint):
+            for reach in (getattr(request.policy, "reach", None), joint_reach):
                 max_depth = max_depth if reach is None else min(max_depth, reach)
             if request.policy.needs_drafter and max_depth > 0:
                 wanted[running.slot] = max_depth
@@ -330,6 +329,16 @@ class BatchDecoder:
         return [
             drafted[r.slot][: wanted[r.slot]] if r.slot in wanted else None for r in self._running
         ]
+
+    def _joint_round(self) -> bool:
+        """Whether this round's trees come from one joint budget: a ``joint_cost_model``, two or
+        more running requests, all CaDDTree ones (:meth:`_joint_trees`)."""
+        running = self._running
+        return (
+            self.joint_cost_model is not None
+            and len(running) > 1
+            and all(r.request.policy.name == "caddtree" for r in running)
+        )
 
     def _joint_reach(self) -> int | None:
         """How deep a joint round drafts: :data:`_DEPTH_MARGIN` past the deepest node of the last
@@ -366,10 +375,8 @@ class BatchDecoder:
         ``B - 1 + n`` nodes (the other requests' bonus rows counted as nodes); plus the drafter
         pass of ``B`` sequences as this decoder has timed it (the median of its last passes of
         that size; before three of them, the model's)."""
-        model, running = self.joint_cost_model, self._running
-        if model is None or len(running) < 2:  # one request: its own CaDDTree is the joint one
-            return None
-        if any(r.request.policy.name != "caddtree" for r in running):
+        model = self.joint_cost_model
+        if not self._joint_round():  # one request alone: its own CaDDTree is the joint one
             return None
         present = [d for d in drafts if d is not None]
         verify = self._verify_costs(model)
@@ -432,11 +439,16 @@ class BatchDecoder:
 
     def _draft_cost(self, sequences: int, model: CostModel | BatchCostModel) -> float:
         """Seconds of a drafter pass of ``sequences`` sequences (0: none) with this round's
-        block rows: the median of the last timed ones, or before there are three,
-        ``model``'s (a one-sequence model's for each sequence; whole blocks)."""
-        timed = self._draft_times.get((sequences, self._positions), ())
+        block rows: the median of the last timed ones (of the nearest block rows timed three
+        times with as many sequences), or before there are any, ``model``'s (a one-sequence
+        model's for each sequence; whole blocks)."""
         if not sequences:
             return 0.0
+        timed = self._draft_times.get((sequences, self._positions), ())
+        if len(timed) < 3:  # the nearest block rows timed with as many sequences, if any
+            near = [k for k, v in self._draft_times.items() if k[0] == sequences and len(v) >= 3]
+            if near:
+                timed = self._draft_times[min(near, key=lambda k: abs(k[1] - self._positions))]
         if len(timed) >= 3:
             return float(np.median(timed))
         if isinstance(model, BatchCostModel):
