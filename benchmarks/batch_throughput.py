@@ -18,7 +18,10 @@ forward, and the rest (walks, greedy choices, compaction).
 and builds each request's tree as if it were alone; ``caddtree-joint`` chooses all the batch's
 trees with one joint budget (:func:`caddtree.core.tree.build_joint_caddtrees`), pricing a batch round
 with the batch cost model of this machine (profiled once and cached, as ``caddtree serve`` does:
-:meth:`~caddtree.api.SpeculativeGenerator.cached_batch_cost_model`).
+:meth:`~caddtree.api.SpeculativeGenerator.cached_batch_cost_model`); ``caddtree-joint@M`` does so
+with a margin ``M`` in place of :data:`caddtree.engine.batching._DRAFT_MARGIN` (drafting must beat
+plain rounds by that factor to go on: ``@1`` none, ``@inf`` a joint batch of two or more requests
+never drafts).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ def decode_all(
     gen, prompts: list[list[int]], method: str, batch: int, new: int, joint_model=None
 ) -> tuple:
     """(seconds, tokens, rounds) for decoding every prompt, ``batch`` at a time."""
+    method, _, margin = method.partition("@")
+    if margin:
+        with margin_of(float(margin)):
+            return decode_all(gen, prompts, method, batch, new, joint_model)
     joint = joint_model if method == "caddtree-joint" else None
     decoder = BatchDecoder(
         gen.verifier.target,
@@ -66,6 +73,17 @@ def decode_all(
     done = decoder.run(requests)
     seconds = time.perf_counter() - start
     return seconds, sum(len(r.output) for r in done), sum(r.rounds for r in done)
+
+
+@contextlib.contextmanager
+def margin_of(margin: float):
+    """Joint batches draft on only where drafting beats plain rounds by ``margin`` meanwhile."""
+    kept = batching._DRAFT_MARGIN
+    batching._DRAFT_MARGIN = margin
+    try:
+        yield
+    finally:
+        batching._DRAFT_MARGIN = kept
 
 
 PHASES = {"step": "round", "_drafts": "drafter", "_tree": "trees", "_joint_trees": "trees"}

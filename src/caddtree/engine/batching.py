@@ -55,9 +55,8 @@ _DEPTH_ROUNDS = 16  # joint rounds whose deepest node sets how deep the next one
 _DEPTH_MARGIN = 2  # positions drafted past the deepest node of those rounds
 # Drafting must beat plain rounds by this much to go on. Its costs outside its own rounds do not
 # show in them: requests drafted at different speeds fall out of step and the batch thins out as
-# they finish one by one, and the first pass after a pause reads every token since. At batch 8 on
-# the built-in pair, drafting rounds measured as fast as plain ones, yet the batch made 7% fewer
-# tokens per second than one that never drafted (benchmarks/batch_throughput.py, docs/server.md).
+# they finish one by one, and the first pass after a pause reads every token since (docs/server.md,
+# "Where a batched round's time goes", for what it changed).
 _DRAFT_MARGIN = 1.05
 
 
