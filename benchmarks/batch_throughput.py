@@ -11,6 +11,9 @@ each method, decodes ``--requests`` chat prompts of ``--max-new-tokens`` tokens 
 finishes), greedy. It prints the aggregate tokens per second (all requests' tokens over the wall
 time, prefills included), τ over all rounds, and the speed-up over the same method at batch 1.
 The methods run in alternating order at each batch size, after an untimed warm-up of each.
+It also prints the decoder's calibration ``kappa`` (accepted tree nodes per unit of the drafter's
+prefix mass, over its last 256 trees; 1.00 for AR). ``--whole-blocks`` makes every drafter pass
+draft the whole block instead of as deep as the trees can reach.
 ``--breakdown`` also prints where a round's time goes (ms per round, prefills apart): the
 drafter's pass, building the trees (each request's, or the joint budget's), the target's
 forward, and the rest (walks, greedy choices, compaction).
@@ -51,13 +54,22 @@ def policy(method: str, gen):
 
 
 def decode_all(
-    gen, prompts: list[list[int]], method: str, batch: int, new: int, joint_model=None
+    gen,
+    prompts: list[list[int]],
+    method: str,
+    batch: int,
+    new: int,
+    joint_model=None,
+    whole_blocks: bool = False,
 ) -> tuple:
-    """(seconds, tokens, rounds) for decoding every prompt, ``batch`` at a time."""
+    """(seconds, tokens, rounds, calibration) for decoding every prompt, ``batch`` at a time
+    (``calibration``: the decoder's, accepted nodes per unit of the drafter's prefix mass).
+    ``whole_blocks``: every drafter pass drafts the drafter's whole block, however deep the
+    trees can reach."""
     method, _, margin = method.partition("@")
     if margin:
         with margin_of(float(margin)):
-            return decode_all(gen, prompts, method, batch, new, joint_model)
+            return decode_all(gen, prompts, method, batch, new, joint_model, whole_blocks)
     joint = joint_model if method == "caddtree-joint" else None
     decoder = BatchDecoder(
         gen.verifier.target,
@@ -68,11 +80,27 @@ def decode_all(
         joint_max_nodes=64,
     )
     name = "caddtree" if joint is not None else method
-    requests = [GenerationRequest(p, policy(name, gen), new) for p in prompts]
+    chosen = WholeBlocks(policy(name, gen)) if whole_blocks else policy(name, gen)
+    if whole_blocks:
+        decoder._joint_reach = lambda: None
+    requests = [GenerationRequest(p, chosen, new) for p in prompts]
     start = time.perf_counter()
     done = decoder.run(requests)
     seconds = time.perf_counter() - start
-    return seconds, sum(len(r.output) for r in done), sum(r.rounds for r in done)
+    tokens, rounds = sum(len(r.output) for r in done), sum(r.rounds for r in done)
+    return seconds, tokens, rounds, decoder.calibration
+
+
+class WholeBlocks:
+    """``inner``, a tree policy, whose drafts take the drafter's whole block (no ``reach``)."""
+
+    reach = None
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
 
 @contextlib.contextmanager
@@ -148,6 +176,9 @@ def main() -> None:
     )
     parser.add_argument("--runtime", default="auto", choices=["auto", "compiled", "lean"])
     parser.add_argument("--breakdown", action="store_true", help="where a round's time goes")
+    parser.add_argument(
+        "--whole-blocks", action="store_true", help="draft whole blocks, however deep trees reach"
+    )
     args = parser.parse_args()
     gen = load_pair(None, None, dtype="bfloat16", method="caddtree", runtime=args.runtime)
     tokenizer = gen.tokenizer
@@ -163,21 +194,26 @@ def main() -> None:
         f"built-in pair, bfloat16, {gen.runtime} runtime, {torch.get_num_threads()} threads, "
         f"{args.requests} requests x {args.max_new_tokens} tokens, greedy"
     )
-    print(f"{'batch':>5} {'method':>10} {'tok/s':>8} {'tau':>6} {'x batch 1':>10}")
+    print(f"{'batch':>5} {'method':>10} {'tok/s':>8} {'tau':>6} {'x batch 1':>10} {'kappa':>6}")
     base: dict[str, float] = {}
     for k, batch in enumerate(args.batches):
         order = args.methods if k % 2 == 0 else list(reversed(args.methods))
         results, phases = {}, {}
         for m in order:
             with phase_timer(defaultdict(float)) as totals:
-                results[m] = decode_all(gen, prompts, m, batch, args.max_new_tokens, joint)
+                results[m] = decode_all(
+                    gen, prompts, m, batch, args.max_new_tokens, joint, args.whole_blocks
+                )
             phases[m] = totals
         for method in args.methods:
-            seconds, tokens, rounds = results[method]
+            seconds, tokens, rounds, kappa = results[method]
             rate = tokens / seconds
             base.setdefault(method, rate)
             tau = (tokens - len(prompts)) / rounds
-            print(f"{batch:>5} {method:>10} {rate:>8.1f} {tau:>6.2f} {rate / base[method]:>9.2f}x")
+            speedup = rate / base[method]
+            print(
+                f"{batch:>5} {method:>10} {rate:>8.1f} {tau:>6.2f} {speedup:>9.2f}x {kappa:>6.2f}"
+            )
         if args.breakdown:
             for method in args.methods:
                 print_breakdown(batch, method, phases[method])

@@ -169,8 +169,8 @@ class BatchProposer:
         drafter's block size, which is the default). Where no tree can reach deeper than
         ``q - 1``, a shorter block saves the drafter the rows nothing reads. The first
         positions' marginals move a little, since the masks after them are not there; the
-        built-in pair's trees were accepted as often (``docs/design.md``, "How deep a batch
-        drafts"). A call's logits depend on its own ``q``, not on the other calls'."""
+        built-in pair's trees were accepted as often (``docs/design.md``, "What a batch measures
+        as it runs"). A call's logits depend on its own ``q``, not on the other calls'."""
         sizes = [self.block_size] * len(calls) if positions is None else list(positions)
         if len(sizes) != len(calls) or not all(
             is_int(q) and 2 <= q <= self.block_size for q in sizes
