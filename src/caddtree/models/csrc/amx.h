@@ -1,6 +1,7 @@
 // What the AMX paths of the AVX512-BF16 build share (linear_bf16.cpp, attention_bf16.cpp): whether
-// this process may use the tile unit, and the one tile configuration both load (palette 1, all
-// eight tiles 16 rows of 64 bytes), so that neither needs to know what the other left loaded.
+// this process may use the tile unit, and the tile configuration (palette 1, every tile 64 bytes
+// wide; all 16 rows, or as many as a call of the linear kernel has), which each loads before its
+// tiles, so that neither needs to know what the other left loaded.
 
 #pragma once
 

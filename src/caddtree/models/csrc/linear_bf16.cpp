@@ -63,6 +63,26 @@ constexpr int64_t kPrefetch = 16; // column pairs ahead to prefetch
 
 using Problem = caddtree_linear::Problem<c10::BFloat16>;
 
+// caddtree_linear::write_outputs of 16 outputs in vector registers: the sums plus the bias,
+// rounded to bfloat16 as c10::BFloat16 rounds (to nearest even; NaN as 0x7FC0), so the bits are
+// the scalar loop's. Both the vector passes and the tile unit's blocks write through it: a batched
+// call writes tens of thousands of these, and one at a time they took longer than the tile
+// products of a block of 16 more rows. `out` is 64-byte aligned.
+inline void write_16_outputs(const Problem& p, int64_t row, int64_t first, const float* out) {
+  const int64_t valid = std::min<int64_t>(p.N - first, 16);
+  if (valid <= 0) return;
+  const auto mask = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
+  __m512 sums = _mm512_load_ps(out);
+  if (p.bias) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(mask, p.bias + first));
+  const __m512i bits = _mm512_castps_si512(sums);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p.y + row * p.N + first, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
 // Rows m0 .. m0 + MB - 1 of the output, columns o0 .. o0 + 31 (one weight group).
 template <int MB>
 inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t o0) {
@@ -87,7 +107,8 @@ inline void group_rows(const Problem& p, const uint16_t* wg, int64_t m0, int64_t
     alignas(64) float out[kGroup];
     _mm512_store_ps(out, acc[i][0]);
     _mm512_store_ps(out + 16, acc[i][1]);
-    caddtree_linear::write_outputs(p, m0 + i, o0, out, kGroup);
+    write_16_outputs(p, m0 + i, o0, out);
+    write_16_outputs(p, m0 + i, o0 + 16, out + 16);
   }
 }
 
@@ -121,25 +142,6 @@ constexpr int64_t kChunkBytes = kChunk * kGroup * 2;  // one chunk of a group's 
 constexpr int64_t kPrefetchChunks = 4;
 
 inline bool amx_takes(int64_t K) { return K % kChunk == 0 && amx_allowed(); }
-
-// caddtree_linear::write_outputs of one tile row (16 outputs) in vector registers: the sums plus
-// the bias, rounded to bfloat16 as c10::BFloat16 rounds (to nearest even; NaN as 0x7FC0), so the
-// bits are the scalar loop's. A batched call writes tens of thousands of these: one at a time
-// they took longer than the tile products of a block of 16 more rows.
-inline void write_tile_row(const Problem& p, int64_t row, int64_t first, const float* out) {
-  const int64_t valid = std::min<int64_t>(p.N - first, kTileRows);
-  if (valid <= 0) return;
-  const auto mask = static_cast<__mmask16>(valid == kTileRows ? 0xFFFF : (1u << valid) - 1);
-  __m512 sums = _mm512_load_ps(out);
-  if (p.bias) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(mask, p.bias + first));
-  const __m512i bits = _mm512_castps_si512(sums);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(p.y + row * p.N + first, mask, _mm512_cvtepi32_epi16(rounded));
-}
 
 // The weights `ahead` chunks after chunk `wc` into the cache (the next group's past this one's end).
 inline void prefetch_chunk(const uint16_t* wc, int64_t ahead) {
@@ -182,8 +184,8 @@ inline void prefetch_chunk(const uint16_t* wc, int64_t ahead) {
   }
   for (int64_t r = 0; r < 2 * kTileRows && m0 + r < M; ++r) {
     const int64_t b = r / kTileRows * 2, i = r % kTileRows;
-    write_tile_row(p, m0 + r, o0, out[b][i]);
-    write_tile_row(p, m0 + r, o0 + kTileRows, out[b + 1][i]);
+    write_16_outputs(p, m0 + r, o0, out[b][i]);
+    write_16_outputs(p, m0 + r, o0 + kTileRows, out[b + 1][i]);
   }
 }
 
