@@ -199,7 +199,7 @@ def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_
     no nodes ties with plain decoding)."""
     monkeypatch.setattr(batching, "_DRAFT_MARGIN", 1.0)
     batch = joint_decoder(qwen3, drafter, 3)
-    batch._draft_cost = lambda sequences, model: draft_cost  # the timed cost, made exact here
+    batch._draft_cost = lambda sequences, rows, model: draft_cost  # the timed cost, made exact
     batch._misses.remember = lambda *measured: None  # and nothing measured beside it
     passes = []
     propose = batch.proposer.propose

@@ -106,9 +106,8 @@ class BatchDecoder:
             BatchProposer(drafter, target.model, self.max_batch) if drafter is not None else None
         )
         self._free = list(range(self.max_batch))
-        # drafter pass seconds, by sequences and positions per block
+        # drafter pass seconds, by sequences and block rows
         self._draft_times: dict[tuple[int, int], deque[float]] = {}
-        self._positions = 0  # block rows of this round's drafter pass
         self._joint_depths: deque[int] = deque(maxlen=_DEPTH_ROUNDS)  # deepest node per round
         self._skip = (0, 0)  # (batch size, rounds left) that decode without drafting
         self._slower: dict[
@@ -118,7 +117,6 @@ class BatchDecoder:
         self._rates: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
         # (prefix mass, nodes accepted) of recently verified trees, for the calibration
         self._verified: deque[tuple[float, int]] = deque(maxlen=_CALIBRATION_TREES)
-        self._verified_sums = (0.0, 0)  # their prefix mass and accepted nodes
         self._misses = _CostMisses()
         self._modelled = (0.0, 0)  # the last joint round's modelled seconds and drafting requests
         self._running: list[_Running] = []
@@ -131,18 +129,9 @@ class BatchDecoder:
         calibrated (the built-in one's trees are accepted about 3/4 as often as their ``Phi``
         says). Acceptance belongs to the drafter and the target, not to the batch, so trees of
         every batch size count; before there are many, a prior of ``Phi`` at face value weighs in."""
-        mass, accepted = self._verified_sums
+        mass = sum(phi for phi, _ in self._verified)
+        accepted = sum(count for _, count in self._verified)
         return (accepted + _CALIBRATION_PRIOR) / (mass + _CALIBRATION_PRIOR)
-
-    def _remember_verified(self, phi: float, accepted: int) -> None:
-        if len(self._verified) == self._verified.maxlen:
-            old_phi, old_accepted = self._verified[0]
-            self._verified_sums = (
-                self._verified_sums[0] - old_phi,
-                self._verified_sums[1] - old_accepted,
-            )
-        self._verified.append((phi, accepted))
-        self._verified_sums = (self._verified_sums[0] + phi, self._verified_sums[1] + accepted)
 
     @property
     def running(self) -> list[GenerationRequest]:
@@ -233,7 +222,7 @@ class BatchDecoder:
                 offset += n
                 stats = running.request.round_stats[-1]
                 if stats.budget:
-                    self._remember_verified(stats.phi, stats.accepted)
+                    self._verified.append((stats.phi, stats.accepted))
                 stats.draft_s, stats.forward_s = drafted - start, forward_s
                 stats.round_s = stats.verify_s = time.perf_counter() - drafted
                 committed += stats.committed
@@ -316,13 +305,12 @@ class BatchDecoder:
         ]
         # each block as deep as its tree can reach: the positions past that nobody reads
         sizes = [min(self.proposer.block_size, 1 + wanted[c.slot]) for c in calls]
-        self._positions = sum(sizes)
         began = time.perf_counter()
         drafted = dict(zip(wanted, self.proposer.propose(calls, sizes)))
         for running in self._running:
             if running.slot in wanted:  # the drafter has these features now
                 running.features = []
-        key = (len(calls), self._positions)
+        key = (len(calls), sum(sizes))
         times = self._draft_times.setdefault(key, deque(maxlen=_DRAFT_TIMES))
         times.append(time.perf_counter() - began)
         return [
@@ -341,9 +329,9 @@ class BatchDecoder:
 
     def _joint_reach(self) -> int | None:
         """How deep a joint round drafts: :data:`_DEPTH_MARGIN` past the deepest node of the last
-        :data:`_DEPTH_ROUNDS` joint rounds that drafted (the whole block before there are any,
-        or outside joint budgets). Trees that reach that depth widen it again by the margin."""
-        if self.joint_cost_model is None or not self._joint_depths:
+        :data:`_DEPTH_ROUNDS` joint rounds that drafted (the whole block before there are any).
+        Trees that reach that depth widen it again by the margin."""
+        if not self._joint_depths:
             return None
         return max(self._joint_depths) + _DEPTH_MARGIN
 
@@ -379,11 +367,13 @@ class BatchDecoder:
             return None
         present = [d for d in drafts if d is not None]
         verify = self._verify_costs(model)
-        misses = self._misses
         if not present:  # batched plain decoding: nothing to choose
             self._modelled = (float(verify[0]), 0)
             return [DraftTree.empty() for _ in drafts]
-        modelled = verify + self._draft_cost(len(present), model)
+        misses = self._misses
+        # each block's rows: its bonus and the positions drafted after it
+        rows = sum(d.shape[0] + 1 for d in present)
+        modelled = verify + self._draft_cost(len(present), rows, model)
         costs = modelled + misses.plain_s + len(present) * misses.per_draft_s
         kappa = self.calibration
         chosen = build_joint_caddtrees(present, costs, self.joint_max_nodes, calibration=kappa)
@@ -436,18 +426,16 @@ class BatchDecoder:
         if drafted < _DRAFT_MARGIN * batch / plain_cost:
             self._skip = (batch, _SKIP_ROUNDS)
 
-    def _draft_cost(self, sequences: int, model: CostModel | BatchCostModel) -> float:
-        """Seconds of a drafter pass of ``sequences`` sequences (0: none) with this round's
-        block rows: the median of the last timed ones (of the nearest block rows timed three
-        times with as many sequences), or before there are any, ``model``'s (a one-sequence
-        model's for each sequence; whole blocks)."""
-        if not sequences:
-            return 0.0
-        timed = self._draft_times.get((sequences, self._positions), ())
+    def _draft_cost(self, sequences: int, rows: int, model: CostModel | BatchCostModel) -> float:
+        """Seconds of a drafter pass of ``sequences`` sequences with ``rows`` block rows in
+        all: the median of the last timed ones (of the nearest block rows timed three times with
+        as many sequences), or before there are any, ``model``'s (a one-sequence model's for each
+        sequence; whole blocks)."""
+        timed = self._draft_times.get((sequences, rows), ())
         if len(timed) < 3:  # the nearest block rows timed with as many sequences, if any
             near = [k for k, v in self._draft_times.items() if k[0] == sequences and len(v) >= 3]
             if near:
-                timed = self._draft_times[min(near, key=lambda k: abs(k[1] - self._positions))]
+                timed = self._draft_times[min(near, key=lambda k: abs(k[1] - rows))]
         if len(timed) >= 3:
             return float(np.median(timed))
         if isinstance(model, BatchCostModel):
