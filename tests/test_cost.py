@@ -230,7 +230,10 @@ def test_json_round_trip(tmp_path):
     loaded = caddtree.load_cost_model(path)
     assert isinstance(loaded, ConvexCostModel)
     assert loaded.draft_cost == model.draft_cost
-    assert loaded.metadata == {"device": "cpu"}
+    assert loaded.metadata == {
+        "device": "cpu",
+        "fit_methods": {"0": "active-set", "4096": "active-set"},
+    }
     assert loaded.fit_quality == model.fit_quality
     for length in (0, 100, 4096, 9000):
         np.testing.assert_array_equal(

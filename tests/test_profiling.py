@@ -365,6 +365,50 @@ def test_the_grid_is_measured_in_interleaved_passes(tiny_generator, monkeypatch)
     assert [call[1] for call in calls[per_pass : per_pass + len(counts)]] == counts[::-1]
 
 
+def test_a_point_whose_trials_disagree_wildly_is_measured_again(tiny_generator, monkeypatch):
+    """Trials of 2, 20 and 40 ms have a median no one can trust: the point is measured again
+    (one untimed and `trials` timed calls) and keeps the steady run; the metadata names it."""
+    import collections
+    import time
+
+    verifier, proposer = tiny_generator.verifier, tiny_generator.proposer
+    verify = verifier.verify
+    counts, lengths = [0, 4, 16], [0, 16]
+    calls = []
+    erratic = iter([0.0, 0.018, 0.038])  # the timed trials of (16, 4) in the first passes
+
+    def timed_verify(bonus, tree):
+        point = (verifier.context_length, len(tree))
+        calls.append(point)
+        first_passes = len(calls) <= 4 * len(counts) * len(lengths)
+        slow = next(erratic) if point == (16, 4) and first_passes and calls.count(point) > 1 else 0
+        time.sleep(0.003 + slow)
+        return verify(bonus, tree)
+
+    monkeypatch.setattr(verifier, "verify", timed_verify)
+    grid = {"context_lengths": lengths, "node_counts": counts, "trials": 3, "warmup": 1}
+    model = profile_cost_model(verifier, proposer, progress=False, **grid)
+    assert model.metadata["retried"] == {"16": [4]}
+    assert collections.Counter(calls)[(16, 4)] == 4 + 4
+    assert max(model.metadata["verify_trials"]["16"][1]) < 0.015  # the steady run was kept
+    assert model.metadata["raw_verify"]["16"][1] < 0.015
+
+
+def test_median_time_takes_erratic_trials_again(monkeypatch):
+    from caddtree.core import profiling
+
+    durations = iter([0.001, 0.01, 0.03, 0.004, 0.004, 0.0041])
+    clock = [0.0]
+
+    def tick():
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+    assert profiling.median_time(tick, 0, 3, []) == pytest.approx(0.004)
+    assert profiling.spread([1.0, 1.0, 1.0]) == 0.0
+    assert profiling.spread([1.0, 3.0, 5.0]) > profiling.NOISY_SPREAD
+
+
 def test_describe_duration():
     from caddtree.core.profiling import describe_duration
 

@@ -566,6 +566,39 @@ def test_bad_requests_get_400(served, path, body, param):
         assert error["param"] == param, error
 
 
+@pytest.mark.parametrize(
+    ("message", "param", "says"),
+    [
+        ({"role": "wizard", "content": "hi"}, "messages", ["'wizard'", '"user"', '"system"']),
+        ({"role": "developer", "content": "hi"}, "messages", ["'developer'", '"user"']),
+        ({"role": "user", "content": None}, "messages[1].content", ["null", "as a string"]),
+        ({"role": "user"}, "messages[1].content", ["no content", "as a string"]),
+    ],
+)
+def test_unknown_roles_and_null_content_get_400_saying_what_to_send(served, message, param, says):
+    body = {**CHAT, "messages": [{"role": "system", "content": "be brief"}, message]}
+    status, _, reply = post(served, "/v1/chat/completions", json.dumps(body))
+    assert status == 400, reply
+    assert reply["error"]["param"] == param
+    for words in says:
+        assert words in reply["error"]["message"], reply
+
+
+def test_tool_and_developer_roles_are_taken_where_the_template_names_them():
+    from caddtree.engine.tokens import check_chat_roles, template_roles
+    from caddtree.util.errors import InvalidInputError
+
+    class Tokenizer:
+        chat_template = "{% if m['role'] == 'tool' %}<tool>{% endif %}"
+
+    assert template_roles(Tokenizer()) == ("system", "user", "assistant", "tool")
+    check_chat_roles(Tokenizer(), [{"role": "tool", "content": "42"}])
+    with pytest.raises(InvalidInputError, match="'developer'"):
+        check_chat_roles(Tokenizer(), [{"role": "developer", "content": "hi"}])
+    Tokenizer.chat_template = {"default": 'role == "developer"', "tool_use": "'tool'"}
+    assert template_roles(Tokenizer()) == ("system", "user", "assistant", "tool", "developer")
+
+
 # ---- three holes found by probing (issue 32) -------------------------------------------------------
 
 

@@ -8,8 +8,8 @@ Symbols:
 
 :class:`ConvexCostModel` stores, for each profiled context length ``L_j``, a piecewise-linear curve
 ``C_v(.; L_j)`` through knots at the profiled node counts. The curves come from the convex,
-non-decreasing least-squares fit of Eq. convex-reg, solved as a sparse QP with Clarabel
-(:mod:`caddtree.core.cost_fit`).
+non-decreasing least-squares fit of Eq. convex-reg (:mod:`caddtree.core.cost_fit`); the
+metadata's ``fit_methods`` says how each curve was reached.
 
 Evaluation rules (documented and tested):
 
@@ -315,7 +315,8 @@ class ConvexCostModel(_CurvesPerContext):
             metadata: free-form JSON-serialisable facts to keep with the model (device, model...).
 
         The fit quality (R², RMSE) per context length is in :attr:`fit_quality` and
-        :meth:`fit_report`.
+        :meth:`fit_report`; ``metadata["fit_methods"]`` names, per context length, which of
+        :data:`~caddtree.core.cost_fit.FIT_METHODS` produced its curve.
         """
         if not isinstance(measurements, Mapping) or not measurements:
             raise CostModelError(
@@ -324,6 +325,7 @@ class ConvexCostModel(_CurvesPerContext):
         draft_cost = _check_draft_cost(draft_cost)
         curves: dict[int, PiecewiseLinearCurve] = {}
         quality: dict[int, FitQuality] = {}
+        methods: dict[str, str] = {}
         for length, pair in measurements.items():
             length = _check_context_length(length)
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
@@ -331,10 +333,11 @@ class ConvexCostModel(_CurvesPerContext):
                     f"context length {length}: expected a pair (node counts, latencies)"
                 )
             x, y = validate_points(length, pair[0], pair[1])
-            f = fit_sorted(x, y)
-            curves[length] = PiecewiseLinearCurve(x, f)
-            quality[length] = fit_quality_of(y, f)
-        return cls(curves, draft_cost, quality, metadata)
+            fit = fit_sorted(x, y)
+            curves[length] = PiecewiseLinearCurve(x, fit.values)
+            quality[length] = fit_quality_of(y, fit.values)
+            methods[str(length)] = fit.method
+        return cls(curves, draft_cost, quality, {**(metadata or {}), "fit_methods": methods})
 
     @property
     def worst_r2(self) -> float:
@@ -594,7 +597,7 @@ def _from_published_torch(path: Path) -> CostModel:
             curve = PiecewiseLinearCurve(x, y)
             if not curve.is_convex_nondecreasing(rtol=1e-6):
                 x, y = validate_points(length, x, y)
-                curve = PiecewiseLinearCurve(x, fit_sorted(x, y))
+                curve = PiecewiseLinearCurve(x, fit_sorted(x, y).values)
                 refit.append(length)
             curves[length] = curve
         model = ConvexCostModel(

@@ -1,8 +1,9 @@
 """The convex, non-decreasing least-squares fit of a verification-cost curve (Eq. convex-reg).
 
 :func:`fit_convex_nondecreasing` fits values at the profiled node counts that are convex and
-non-decreasing in ``n``, as a sparse QP solved with Clarabel; :class:`FitQuality` says how well the
-fit matches the measurements. :class:`~caddtree.core.cost.ConvexCostModel.fit` runs it once per profiled
+non-decreasing in ``n``: exactly, as non-negative least squares over a hinge basis, with Clarabel's
+QP and a plain projection behind it so that valid measurements always get a valid curve;
+:class:`FitQuality` says how well the fit matches the measurements. :class:`~caddtree.core.cost.ConvexCostModel.fit` runs it once per profiled
 context length.
 """
 
@@ -17,10 +18,13 @@ import numpy as np
 from ..util.errors import CostModelError
 
 __all__ = [
+    "FIT_METHODS",
+    "ConvexFit",
     "FitQuality",
     "fit_convex_nondecreasing",
     "fit_quality_of",
     "fit_sorted",
+    "hinge_basis",
     "validate_points",
 ]
 
@@ -82,16 +86,33 @@ def fit_convex_nondecreasing(node_counts: Any, latencies: Any) -> np.ndarray:
         s.t.   f_0 >= 0,  f_1 - f_0 >= 0,
                (f_{i+1} - f_i) / h_i - (f_i - f_{i-1}) / h_{i-1} >= 0,
 
-    as a sparse QP with Clarabel (``x`` sorted, ``h_i = x_{i+1} - x_i``). Returns the fitted values
-    in the order of sorted node counts. Data that already satisfy the constraints are returned as
-    they are (they are the unique optimum, with zero residual).
+    with ``x`` sorted and ``h_i = x_{i+1} - x_i``. Returns the fitted values in the order of sorted
+    node counts (see :func:`fit_sorted` for how). Data that already satisfy the constraints are
+    returned as they are (they are the unique optimum, with zero residual).
     """
     x, y = validate_points("(unnamed)", node_counts, latencies)
-    return fit_sorted(x, y)
+    return fit_sorted(x, y).values
+
+
+FIT_METHODS = ("as-measured", "active-set", "interior-point", "projection")
+"""How :func:`fit_sorted` can reach its curve, in the order it tries them: the measurements
+themselves (already convex and non-decreasing), the exact active-set solution, Clarabel's iterate
+projected onto the constraints, and the projection of the measurements alone (always valid, not
+optimal)."""
+
+
+@dataclass(frozen=True)
+class ConvexFit:
+    """The fitted values of :func:`fit_sorted` and which of :data:`FIT_METHODS` produced them."""
+
+    values: np.ndarray
+    method: str
 
 
 def _clean_convex(x: np.ndarray, f: np.ndarray) -> np.ndarray:
-    """Remove round-off violations of the constraints left by the interior-point solver."""
+    """The nearest curve to ``f`` with the slopes made non-negative and non-decreasing (a running
+    maximum) and ``f_0 >= 0``: valid for any finite ``f``, and ``f`` itself where ``f`` is valid up
+    to round-off."""
     slopes = np.maximum.accumulate(np.maximum(np.diff(f) / np.diff(x), 0.0))
     out = np.empty_like(f)
     out[0] = max(f[0], 0.0)
@@ -99,49 +120,86 @@ def _clean_convex(x: np.ndarray, f: np.ndarray) -> np.ndarray:
     return out
 
 
-def fit_sorted(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """:func:`fit_convex_nondecreasing` of measurements already checked by
-    :func:`validate_points`."""
+def hinge_basis(x: np.ndarray) -> np.ndarray:
+    """Columns ``1, x - x_0, (x - x_1)_+, ..., (x - x_{m-2})_+`` at the sorted knots ``x``, each of
+    unit norm: the curves of the constraint set are exactly their combinations with non-negative
+    weights (a start value, a first slope, and one slope increase per interior knot)."""
+    cols = np.stack([np.ones_like(x), x - x[0]] + [np.maximum(x - k, 0.0) for k in x[1:-1]], 1)
+    norms = np.linalg.norm(cols, axis=0)
+    return cols / np.where(norms > 0, norms, 1.0)
+
+
+def _active_set_fit(x: np.ndarray, ys: np.ndarray) -> np.ndarray | None:
+    """The exact fit of the scaled measurements ``ys``: non-negative least squares over
+    :func:`hinge_basis` (Lawson-Hanson, a finite active-set method), or ``None`` where the solver
+    fails or its answer does not pass the optimality (KKT) check."""
+    from scipy.optimize import nnls
+
+    basis = hinge_basis(x)
+    try:
+        weights, _ = nnls(basis, ys, maxiter=50 * basis.shape[1])
+    except (RuntimeError, ValueError, np.linalg.LinAlgError):
+        return None
+    fitted = basis @ weights
+    gradient = basis.T @ (ys - fitted)  # where a weight may grow, the error would fall
+    tol = 1e-9 * max(float(np.linalg.norm(ys)), 1e-300)
+    if not np.isfinite(fitted).all() or (gradient > tol).any():
+        return None
+    if (np.abs(gradient[weights > 0]) > tol).any():
+        return None
+    return fitted
+
+
+def _interior_point_fit(x: np.ndarray, ys: np.ndarray) -> np.ndarray | None:
+    """The same problem as :func:`_active_set_fit` as a QP for Clarabel (minimise
+    ``|B w - ys|^2`` over ``w >= 0``): its solution, its last iterate where it stops short of its
+    tolerances, or ``None`` where it gives nothing finite."""
     import clarabel
     from scipy import sparse
 
-    m = x.size
-    h = np.diff(x)
-    slopes = np.diff(y) / h
-    if y[0] >= 0 and slopes[0] >= 0 and (np.diff(slopes) >= 0).all():
-        return y.copy()
-
-    scale = float(np.abs(y).max()) or 1.0
-    ys = y / scale
-    # Rows of G with G f >= 0: f_0 >= 0; f_1 - f_0 >= 0; one convexity row per interior knot.
-    rows, cols, vals = [0, 1, 1], [0, 0, 1], [1.0, -1.0, 1.0]
-    for i in range(1, m - 1):
-        r = i + 1
-        a, b = 1.0 / h[i - 1], 1.0 / h[i]
-        rows += [r, r, r]
-        cols += [i - 1, i, i + 1]
-        vals += [a, -(a + b), b]
-    # Normalise each row so the constraint scales are comparable whatever the node spacing.
-    G = sparse.csr_matrix((vals, (rows, cols)), shape=(m, m))
-    norms = np.sqrt(np.asarray(G.multiply(G).sum(axis=1)).ravel())
-    G = sparse.diags(1.0 / norms) @ G
-    # Clarabel: minimise 1/2 f'Pf + q'f  s.t.  A f + s = b, s in cone. Here A = -G, b = 0, s >= 0.
-    P = sparse.csc_matrix(2.0 * sparse.identity(m, format="csc"))
-    q = -2.0 * ys
-    A = sparse.csc_matrix(-G)
-    b = np.zeros(m)
+    basis = hinge_basis(x)
+    m = basis.shape[1]
     settings = clarabel.DefaultSettings()
     settings.verbose = False
-    settings.tol_gap_abs = 1e-12
-    settings.tol_gap_rel = 1e-12
-    settings.tol_feas = 1e-12
-    settings.max_iter = 500
-    solver = clarabel.DefaultSolver(P, q, A, b, [clarabel.NonnegativeConeT(m)], settings)
-    solution = solver.solve()
-    status = str(solution.status)
-    if not status.endswith("Solved"):  # Solved or AlmostSolved
-        raise CostModelError(f"the convex cost fit did not converge (Clarabel status: {status})")
-    return _clean_convex(x, np.asarray(solution.x, dtype=np.float64) * scale)
+    try:
+        solver = clarabel.DefaultSolver(
+            sparse.csc_matrix(np.triu(2.0 * basis.T @ basis)),
+            -2.0 * basis.T @ ys,
+            sparse.csc_matrix(-np.eye(m)),  # -w + s = 0 with s >= 0
+            np.zeros(m),
+            [clarabel.NonnegativeConeT(m)],
+            settings,
+        )
+        fitted = basis @ np.asarray(solver.solve().x, dtype=np.float64)
+    except Exception:  # noqa: BLE001 - any solver failure falls through to the projection
+        return None
+    return fitted if np.isfinite(fitted).all() else None
+
+
+def fit_sorted(x: np.ndarray, y: np.ndarray) -> ConvexFit:
+    """:func:`fit_convex_nondecreasing` of measurements already checked by
+    :func:`validate_points`; never fails on them.
+
+    Measurements that already satisfy the constraints are their own fit. Otherwise the exact
+    solution comes from non-negative least squares over :func:`hinge_basis`, accepted only where it
+    passes the optimality check; failing that, Clarabel's iterate (converged or not) and the
+    projection of the measurements are both made valid with :func:`_clean_convex` and the one
+    closer to the measurements is kept. :attr:`ConvexFit.method` says which.
+    """
+    slopes = np.diff(y) / np.diff(x)
+    if y[0] >= 0 and slopes[0] >= 0 and (np.diff(slopes) >= 0).all():
+        return ConvexFit(y.copy(), "as-measured")
+    scale = float(np.abs(y).max()) or 1.0
+    ys = y / scale
+    exact = _active_set_fit(x, ys)
+    if exact is not None:
+        return ConvexFit(_clean_convex(x, exact) * scale, "active-set")
+    candidates = [(_clean_convex(x, ys), "projection")]
+    approximate = _interior_point_fit(x, ys)
+    if approximate is not None:
+        candidates.insert(0, (_clean_convex(x, approximate), "interior-point"))
+    f, method = min(candidates, key=lambda c: float(((ys - c[0]) ** 2).sum()))
+    return ConvexFit(f * scale, method)
 
 
 def fit_quality_of(y: np.ndarray, f: np.ndarray) -> FitQuality:

@@ -24,6 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ __all__ = [
     "estimate_profile_seconds",
     "fit_context_lengths",
     "max_profile_context_length",
+    "median_time",
     "plot_cost_model",
     "profile_cost_model",
     "profiling_tree",
@@ -152,11 +154,28 @@ def _sync(devices: Sequence[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
-def _median_time(fn, warmup: int, trials: int, devices: Sequence[torch.device]) -> float:
-    """Median wall time of ``fn()`` over ``trials`` calls after ``warmup`` untimed ones; every
-    device in ``devices`` is synchronised before the clock starts and before it stops."""
-    for _ in range(warmup):
-        fn()
+NOISY_SPREAD = 0.25
+"""A point's trials disagree wildly when their median absolute deviation exceeds this fraction of
+their median: the median itself is then uncertain, and the point is measured again."""
+
+NOISY_RETRIES = 2
+"""How many times a point whose trials disagree is measured again (each time ``trials`` calls)."""
+
+
+def spread(times: Sequence[float]) -> float:
+    """The median absolute deviation of ``times`` relative to their median (0 for one time)."""
+    middle = statistics.median(times)
+    if len(times) < 2 or middle <= 0:
+        return 0.0
+    return statistics.median(abs(t - middle) for t in times) / middle
+
+
+def steadiest(runs: Sequence[Sequence[float]]) -> list[float]:
+    """Of several runs of one point's trials, the one that agrees with itself best."""
+    return list(min(runs, key=spread))
+
+
+def _time_trials(fn, trials: int, devices: Sequence[torch.device]) -> list[float]:
     times = []
     for _ in range(trials):
         _sync(devices)
@@ -164,7 +183,20 @@ def _median_time(fn, warmup: int, trials: int, devices: Sequence[torch.device]) 
         fn()
         _sync(devices)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn, warmup: int, trials: int, devices: Sequence[torch.device]) -> float:
+    """Median wall time of ``fn()`` over ``trials`` calls after ``warmup`` untimed ones; every
+    device in ``devices`` is synchronised before the clock starts and before it stops. Trials that
+    disagree wildly (:data:`NOISY_SPREAD`) are taken again, up to :data:`NOISY_RETRIES` times, and
+    the steadiest run counts."""
+    for _ in range(warmup):
+        fn()
+    runs = [_time_trials(fn, trials, devices)]
+    while spread(runs[-1]) > NOISY_SPREAD and len(runs) <= NOISY_RETRIES:
+        runs.append(_time_trials(fn, trials, devices))
+    return statistics.median(steadiest(runs))
 
 
 _GRID_DEFAULTS: dict[str, Any] = {
@@ -214,7 +246,7 @@ def _checked_grid(
 
 def _timed(fn, devices: Sequence[torch.device]) -> float:
     """Wall time of one call of ``fn()``, every device in ``devices`` synchronised around it."""
-    return _median_time(fn, 0, 1, devices)
+    return _time_trials(fn, 1, devices)[0]
 
 
 def estimate_profile_seconds(verifier: Any, proposer: Any, **grid: Any) -> float:
@@ -280,6 +312,39 @@ def describe_duration(seconds: float) -> str:
     return f"about {seconds / 3600:.1f} hours"
 
 
+def _verify_passes(
+    verifier: Any,
+    context: list[int],
+    bonus: int,
+    reserve: int,
+    trees: dict[int, DraftTree],
+    trials: int,
+    bar: Any,
+    points: dict[int, list[int]],
+    skip: int,
+) -> tuple[dict[int, dict[int, list[float]]], torch.Tensor]:
+    """``skip + trials`` passes over ``points`` (context length -> node counts), the first
+    ``skip`` untimed: each point's timed trials, and the context's features."""
+    times: dict[int, dict[int, list[float]]] = {k: {n: [] for n in v} for k, v in points.items()}
+    features = torch.empty(0)
+    for p in range(skip + trials):
+        verifier.reset(reserve=reserve)
+        _, features = verifier.prefill(context)
+        for length in sorted(points, reverse=True):
+            verifier.truncate(max(length, 1))
+            for n in points[length] if p % 2 == 0 else reversed(points[length]):
+
+                def verify_once(tree: DraftTree = trees[n]) -> None:
+                    verifier.verify(bonus, tree)
+                    verifier.discard()  # discard: the cache stays at `length` tokens
+
+                seconds = _timed(verify_once, [verifier.device])
+                if p >= skip:
+                    times[length][n].append(seconds)
+                bar.update(1)
+    return times, features
+
+
 def profile_cost_model(
     verifier: Any,
     proposer: Any,
@@ -296,7 +361,9 @@ def profile_cost_model(
     """Profile ``verifier`` (a :class:`~caddtree.models.TreeVerifier`) and ``proposer`` (a
     :class:`~caddtree.models.DFlashProposer`) and fit a :class:`ConvexCostModel`.
 
-    The fitted model's ``metadata`` records the grid, the raw medians, every timed trial and
+    A point whose trials disagree wildly (:data:`NOISY_SPREAD`) is measured again, up to
+    :data:`NOISY_RETRIES` times, and keeps its steadiest trials. The fitted model's ``metadata``
+    records the grid, the raw medians, every kept trial, the points measured again and
     ``metadata``.
     Raises :class:`~caddtree.util.errors.InvalidInputError` for a bad grid (see
     :func:`check_profile_grid`), a context length beyond the model's window, or a node count that
@@ -315,33 +382,27 @@ def profile_cost_model(
     context = torch.randint(0, vocab, (max(lengths[-1], 1),), generator=gen).tolist()
     bonus = int(torch.randint(0, vocab, (1,), generator=gen))
     reserve = _profile_reserve(len(context), counts)
-    times: dict[int, dict[int, list[float]]] = {
-        length: {n: [] for n in counts} for length in lengths
-    }
-    passes = warmup + trials
     bar = tqdm(
-        total=passes * len(lengths) * len(counts) + len(lengths),
+        total=(warmup + trials) * len(lengths) * len(counts) + len(lengths),
         desc="profiling",
         unit="point",
         disable=not progress,
     )
-    features = torch.empty(0)
-    for p in range(passes):
-        verifier.reset(reserve=reserve)
-        _, features = verifier.prefill(context)
-        for length in reversed(lengths):
-            verifier.truncate(max(length, 1))
-            for n in counts if p % 2 == 0 else reversed(counts):
-                tree = trees[n]
 
-                def verify_once(tree: DraftTree = tree) -> None:
-                    verifier.verify(bonus, tree)
-                    verifier.discard()  # discard: the cache stays at `length` tokens
-
-                seconds = _timed(verify_once, [device])
-                if p >= warmup:
-                    times[length][n].append(seconds)
-                bar.update(1)
+    measure = partial(_verify_passes, verifier, context, bonus, reserve, trees, trials, bar)
+    times, features = measure({length: list(counts) for length in lengths}, warmup)
+    retried: dict[int, set[int]] = {}
+    for _ in range(NOISY_RETRIES):
+        noisy = {k: [n for n in counts if spread(v[n]) > NOISY_SPREAD] for k, v in times.items()}
+        noisy = {k: v for k, v in noisy.items() if v}
+        if not noisy:
+            break
+        bar.total += (1 + trials) * sum(map(len, noisy.values()))
+        again, _ = measure(noisy, 1)
+        for length, ns in noisy.items():
+            retried.setdefault(length, set()).update(ns)
+            for n in ns:
+                times[length][n] = steadiest([times[length][n], again[length][n]])
     measurements = {
         length: (counts, [statistics.median(times[length][n]) for n in counts])
         for length in lengths
@@ -359,7 +420,7 @@ def profile_cost_model(
             proposer.crop(start)
             proposer.propose(bonus, tail).rows()  # the whole block projected
 
-        draft_times.append(_median_time(draft_once, warmup, trials, draft_devices))
+        draft_times.append(median_time(draft_once, warmup, trials, draft_devices))
         bar.update(1)
     bar.close()
     verifier.reset()
@@ -374,6 +435,8 @@ def profile_cost_model(
         "raw_verify": {str(k): v[1] for k, v in measurements.items()},
         # every timed trial, per context length and node count (in pass order): how noisy it was
         "verify_trials": {str(k): [times[k][n] for n in counts] for k in lengths},
+        # node counts per context length whose trials disagreed wildly and were measured again
+        "retried": {str(k): sorted(v) for k, v in retried.items()},
         **(metadata or {}),
     }
     return ConvexCostModel.fit(measurements, draft_cost, metadata=meta)

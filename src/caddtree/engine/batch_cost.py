@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ import numpy as np
 import torch
 
 from ..core.cost import ConvexCostModel, cost_model_from_dict
-from ..core.profiling import profiling_tree
+from ..core.profiling import median_time, profiling_tree
 from ..models.batch_proposer import BatchProposer, DraftCall
 from ..models.lean import LeanTarget, Rows
 from ..models.rows import tree_rows
@@ -147,16 +145,6 @@ def _round_rows(
     return Rows.batch(sequences, device)
 
 
-def _median_seconds(call: Any, warmup: int, trials: int) -> float:
-    times = []
-    for i in range(warmup + trials):
-        began = time.perf_counter()
-        call()
-        if i >= warmup:
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def profile_batch_cost_model(
     target: LeanTarget,
@@ -208,7 +196,9 @@ def profile_batch_cost_model(
                 for total in counts:
                     split = _split(total, batch)
                     rows = _round_rows([length] * batch, split, bonus, vocab, depth, device)
-                    times.append(_median_seconds(lambda r=rows: target.forward(r), warmup, trials))
+                    times.append(
+                        median_time(lambda r=rows: target.forward(r), warmup, trials, [device])
+                    )
                     bar.update(1)
                 measured[length] = (counts, times)
             for slot in range(batch):
@@ -221,7 +211,7 @@ def profile_batch_cost_model(
                 for logits in proposer.propose(calls):
                     logits.rows()
 
-            draft_cost = _median_seconds(draft, warmup, trials)
+            draft_cost = median_time(draft, warmup, trials, [device])
             bar.update(1)
             models[batch] = ConvexCostModel.fit(measured, draft_cost)
             raw[str(batch)] = {str(k): v[1] for k, v in measured.items()}

@@ -189,7 +189,12 @@ def _message_content(content: Any, index: int) -> str:
     """A message's text: a string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts."""
     param = f"messages[{index}].content"
     if content is None:
-        return ""
+        raise OpenAIError(
+            f"{param} is null; send the message's text as a string (or a list of text parts). "
+            "Null content is allowed only on an assistant message carrying tool_calls, and "
+            "caddtree serve makes no tool calls",
+            param=param,
+        )
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -221,7 +226,12 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise OpenAIError(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
-        out.append({"role": role, "content": _message_content(message.get("content"), i)})
+        if "content" not in message:
+            raise OpenAIError(
+                f"messages[{i}] has no content; send the message's text as a string",
+                param=f"messages[{i}].content",
+            )
+        out.append({"role": role, "content": _message_content(message["content"], i)})
     return out
 
 
