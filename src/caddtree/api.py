@@ -9,9 +9,11 @@ print(out.text, out.stats.tau, out.stats.ms_per_token)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -102,8 +104,11 @@ def runtime_choice(runtime: str, device_type: str, unsupported: str | None) -> s
     return runtime
 
 
-def _verifier(target: Any, layer_ids: Sequence[int], runtime: str, pack: bool) -> Any:
-    """The target's verifier on :func:`runtime_choice`'s runtime."""
+def _verifier(
+    target: Any, layer_ids: Sequence[int], runtime: str, pack: bool, blocks: Any = None
+) -> Any:
+    """The target's verifier on :func:`runtime_choice`'s runtime (the lean one computing on
+    ``blocks``, a GGUF file's quantized weights, where given)."""
     from .models.lean import LeanVerifier, lean_unsupported
     from .models.target import TreeVerifier
 
@@ -111,7 +116,7 @@ def _verifier(target: Any, layer_ids: Sequence[int], runtime: str, pack: bool) -
     reason = lean_unsupported(target) if runtime != "transformers" else None
     chosen = runtime_choice(runtime, device.type, reason)
     if chosen != "transformers":
-        return LeanVerifier(target, layer_ids, pack=pack, compile=_COMPILE[chosen])
+        return LeanVerifier(target, layer_ids, pack=pack, compile=_COMPILE[chosen], blocks=blocks)
     if runtime == "auto":
         why = reason or f"runtime 'auto' picks it on CPUs, and the target is on {device.type}"
         logger.info("the target runs on transformers' forward: the lean runtime %s", why)
@@ -119,6 +124,65 @@ def _verifier(target: Any, layer_ids: Sequence[int], runtime: str, pack: bool) -
 
 
 _COMPILE = {"auto": "auto", "lean": "off", "compiled": "on"}
+
+
+def gguf_location(
+    target: str | os.PathLike[str], gguf_file: str | None
+) -> tuple[str | os.PathLike[str], str | None]:
+    """``(directory, file name)`` for a target given as the path of a ``.gguf`` file; else the
+    arguments as they are."""
+    path = Path(target).expanduser()
+    if gguf_file is None and path.suffix.lower() == ".gguf" and path.is_file():
+        return str(path.parent), path.name
+    return target, gguf_file
+
+
+def gguf_source(target: str | os.PathLike[str], gguf_file: str | None) -> Path | None:
+    """The GGUF file a target is read from: ``gguf_file`` in ``target``'s directory, or the file
+    the built-in target was converted from (named in its cache marker); else ``None``."""
+    from .util.defaults import CACHE_MARKER
+
+    if gguf_file:
+        return Path(target) / gguf_file
+    try:
+        marker = json.loads((Path(target) / CACHE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    source = marker.get("gguf_file") if isinstance(marker, dict) else None
+    return Path(source) if isinstance(source, str) and Path(source).is_file() else None
+
+
+def quantized_blocks(path: Path | None, model: Any) -> dict[str, Any] | None:
+    """The quantized weights of the GGUF at ``path`` for ``model`` (checked against it), where
+    caddtree's kernel computes them here: a bfloat16 model on a CPU with the AVX512 kernels.
+    Elsewhere ``None``, with a note of why (the model then runs de-quantized)."""
+    from .models.gguf_blocks import check_blocks, read_blocks
+    from .models.quantized import QUANT_KINDS, kind_name, quantized_kernel_available
+
+    weight = model.get_input_embeddings().weight
+    if path is None or weight.device.type != "cpu" or weight.dtype is not torch.bfloat16:
+        return None
+    if not quantized_kernel_available():
+        logger.warning(
+            "%s runs de-quantized to bfloat16: caddtree's quantized kernel needs a CPU with "
+            "AVX512-BF16 and AVX512-VNNI and a C++ compiler",
+            path.name,
+        )
+        return None
+    blocks = read_blocks(path)
+    check_blocks(blocks, model)
+    others = sorted(
+        {kind_name(b.kind) for b in blocks.values() if b.kind not in QUANT_KINDS.values()}
+    )
+    if others:
+        logger.warning(
+            "%s: its %s tensors run de-quantized to bfloat16 (caddtree computes %s blocks as "
+            "they are); a file of those types runs faster",
+            path.name,
+            ", ".join(others),
+            ", ".join(QUANT_KINDS),
+        )
+    return blocks
 
 
 class SpeculativeGenerator:
@@ -150,6 +214,7 @@ class SpeculativeGenerator:
         context_window: int | None = None,
         pack_weights: bool = True,
         runtime: str = "auto",
+        blocks: dict[str, Any] | None = None,
     ):
         from .models.packing import pack_linear_layers
         from .models.proposer import DFlashProposer
@@ -164,8 +229,13 @@ class SpeculativeGenerator:
             else None
         )
         layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
-        self.verifier = _verifier(self.target, layer_ids, runtime, pack_weights)
+        self.verifier = _verifier(self.target, layer_ids, runtime, pack_weights, blocks)
         self.runtime = self.verifier.runtime
+        self.weight_format = getattr(
+            getattr(self.verifier, "target", None),
+            "weight_format",
+            str(self.verifier.dtype).split(".")[-1],
+        )
         # On the CPU, lay the linear layers' weights out for oneDNN once instead of every call
         # (caddtree.models.packing); elsewhere, and with pack_weights=False, this packs nothing.
         # The lean runtime and the proposer pack their own fused copies; of the target the lean
@@ -220,6 +290,7 @@ class SpeculativeGenerator:
         context_window: int | None = None,
         pack_weights: bool = True,
         runtime: str = "auto",
+        dequantize: bool = False,
         **target_kwargs: Any,
     ) -> SpeculativeGenerator:
         """Load a transformers causal LM (a local directory or hub id) with SDPA attention (on the
@@ -229,7 +300,11 @@ class SpeculativeGenerator:
         ``context_window``: see :meth:`set_context_window` (default: the model's window).
         ``pack_weights``: on the CPU, lay the linear layers' weights out for oneDNN once
         (:mod:`caddtree.models.packing`: faster, one more copy of those weights in memory).
-        ``runtime``: the target's forward, see the class docstring."""
+        ``runtime``: the target's forward, see the class docstring.
+        A target read from a GGUF file (``gguf_file``, or the built-in one) keeps its quantized
+        weights on the lean runtimes in bfloat16 on CPUs whose kernels compute them
+        (:mod:`caddtree.models.quantized`: Q4_0, Q4_1, Q8_0); ``dequantize`` runs them as
+        bfloat16 instead. ``weight_format`` says which ran."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from .models.attention import preferred_attention
@@ -238,6 +313,7 @@ class SpeculativeGenerator:
 
         check_int("context_window", context_window, minimum=2, allow_none=True)  # before loading
         check_runtime(runtime)
+        target, gguf_file = gguf_location(target, gguf_file)
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -273,16 +349,22 @@ class SpeculativeGenerator:
         drafter = None
         if draft is not None:
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=torch_dtype).to(dev)
+        model = model.to(dev)
+        blocks = None
+        if not dequantize and runtime != "transformers":
+            blocks = quantized_blocks(gguf_source(target, gguf_file), model)
         gen = cls(
-            model.to(dev),
+            model,
             tokenizer,
             drafter,
             cost_model=cost_model,
             context_window=context_window,
             pack_weights=pack_weights,
             runtime=runtime,
+            blocks=blocks,
         )
-        gen.source = {"target": str(target), "draft": None if draft is None else str(draft)}
+        named = Path(target) / gguf_file if gguf_file else target
+        gen.source = {"target": str(named), "draft": None if draft is None else str(draft)}
         return gen
 
     # ---- cost model -----------------------------------------------------------------------------

@@ -37,7 +37,10 @@ __all__ = [
 def add_target_argument(parser: Any) -> None:
     """``--target`` (on an ``argparse`` parser): the target model, ``None`` for the built-in one."""
     parser.add_argument(
-        "--target", help="target model: a local directory or hub id (default: built-in SmolLM2)"
+        "--target",
+        help="target model: a local directory, a hub id or a .gguf file (Llama family or Qwen3; "
+        "its Q4_0, Q4_1 and Q8_0 weights are computed as they are; default: built-in SmolLM2, "
+        "its Q4_1 file)",
     )
 
 
@@ -83,6 +86,12 @@ def add_runtime_arguments(parser: Any) -> None:
         action="store_false",
         help="on the CPU, leave the linear layers' weights as loaded instead of laying them out "
         "once for oneDNN (slower; saves one copy of those weights in memory)",
+    )
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="run a GGUF target's quantized weights (the built-in one's Q4_1) de-quantized to "
+        "bfloat16 instead of computing on their blocks (slower; for comparison)",
     )
 
 
@@ -156,6 +165,7 @@ def load_pair_of(args: argparse.Namespace, *, with_drafter: bool = True) -> Spec
         context_window=getattr(args, "context_window", None),
         pack_weights=getattr(args, "pack_weights", True),
         runtime=getattr(args, "runtime", "auto"),
+        dequantize=getattr(args, "dequantize", False),
     )
 
 
@@ -171,12 +181,14 @@ def load_pair(
     context_window: int | None = None,
     pack_weights: bool = True,
     runtime: str = "auto",
+    dequantize: bool = False,
 ) -> SpeculativeGenerator:
     """The generator of ``target`` and ``draft`` (both ``None``: the built-in pair, in bfloat16 for
     ``dtype="auto"``), without its drafter unless ``with_drafter``. For ``method="caddtree"`` its
     cost model is ``cost_model``, else the cached one for this machine (profiled on first use).
     ``context_window``: see :meth:`~caddtree.api.SpeculativeGenerator.set_context_window`;
-    ``pack_weights``, ``runtime``: see :meth:`~caddtree.api.SpeculativeGenerator.from_pretrained`.
+    ``pack_weights``, ``runtime``, ``dequantize``: see
+    :meth:`~caddtree.api.SpeculativeGenerator.from_pretrained`.
     ``generator.source`` names the models loaded."""
     from .api import SpeculativeGenerator
     from .util.defaults import resolve_model_pair
@@ -191,6 +203,7 @@ def load_pair(
         context_window=context_window,
         pack_weights=pack_weights,
         runtime=runtime,
+        dequantize=dequantize,
     )
     if method == "caddtree" and gen.cost_model is None:
         # no silent fallback: profile this machine once (cached), and say so

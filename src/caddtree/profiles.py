@@ -49,6 +49,8 @@ def cost_ident(gen: Any) -> dict[str, Any]:
         # and with and without weights packed for oneDNN, and between runtimes
         "packed_layers": gen.packed_layers,
         "runtime": gen.runtime,
+        # and between weight formats (bfloat16, or a GGUF file's blocks computed as they are)
+        "weights": getattr(gen, "weight_format", None),
         # and between caddtree's bfloat16 kernels and torch's (caddtree.models.kernels)
         "linear_kernel": gen.packed_layers > 0 and kernel_in_use(gen.verifier.dtype),
         "attention_kernel": gen.runtime != "transformers" and gen.verifier.target.fused_attention,

@@ -190,6 +190,7 @@ def _load_generators(
         device=device,
         pack_weights=args.pack_weights,
         runtime=args.runtime,
+        dequantize=getattr(args, "dequantize", False),
     )
     main_dtype = generator_dtype(gen)
     if args.methods is None:
@@ -205,6 +206,7 @@ def _load_generators(
             device=gen.verifier.device,
             pack_weights=args.pack_weights,
             runtime=args.runtime,
+            dequantize=getattr(args, "dequantize", False),
         )
         for s in config.methods
         if s.dtype is not None and s.dtype != main_dtype

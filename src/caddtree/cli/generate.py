@@ -118,6 +118,7 @@ def _ar_generators(gen: Any, args: argparse.Namespace, ar_dtypes: Any) -> list:
             context_window=args.context_window,
             pack_weights=args.pack_weights,
             runtime=args.runtime,
+            dequantize=getattr(args, "dequantize", False),
         )
         for dtype in ar_baseline_dtypes(run_dtype, device, ar_dtypes)
     ]

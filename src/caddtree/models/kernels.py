@@ -83,8 +83,17 @@ class _Variant(NamedTuple):
 
 _AVX512_BF16 = _Variant(
     "avx512-bf16",
-    ("ops.cpp", "amx.h", "linear_op.h", "attention_op.h", "linear_bf16.cpp", "attention_bf16.cpp"),
-    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+    (
+        "ops.cpp",
+        "amx.h",
+        "linear_op.h",
+        "attention_op.h",
+        "round_bf16.h",
+        "linear_bf16.cpp",
+        "attention_bf16.cpp",
+        "linear_q.cpp",
+    ),
+    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"),
 )
 _AVX2 = _Variant(
     "avx2",
@@ -230,6 +239,14 @@ def _register_fakes() -> None:
         x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, n: int = -1
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0] * GROUP if n < 0 else n))
+
+    if hasattr(torch.ops.caddtree, "linear_q"):
+
+        @torch.library.register_fake("caddtree::linear_q")
+        def _(
+            x: torch.Tensor, w: torch.Tensor, kind: int, n: int, bias: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("caddtree::tree_attention")
     def _(

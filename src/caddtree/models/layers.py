@@ -7,13 +7,18 @@ with the cache's part (writing keys and values, attending) left to the caller (:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .packing import pack_weight, packed_linear, packing_fits
+from .quantized import QuantLinear, kind_name, pack_blocks, quantized_unsupported
+
+if TYPE_CHECKING:
+    from .gguf_blocks import Blocks
 
 __all__ = [
     "Attend",
@@ -57,19 +62,53 @@ def fused_linear(linears: Sequence[nn.Linear], pack: bool) -> Linear:
     layer's weight is used as it is (no copy); several are stacked into a new weight, which on a
     device without packing is a second copy of theirs (see the module docstring)."""
     if len(linears) == 1:
-        bias = linears[0].bias
-        return Linear.of(linears[0].weight.detach(), None if bias is None else bias.detach(), pack)
+        return Linear.of(linears[0].weight.detach(), _fused_bias(linears), pack)
     weight = torch.cat([linear.weight.detach() for linear in linears])
+    return Linear.of(weight, _fused_bias(linears), pack)
+
+
+def _fused_bias(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
+    """The biases of ``linears`` side by side (zeros for those without), or ``None`` if none has
+    one."""
     biases = [linear.bias for linear in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [
-                b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
-                for b, linear in zip(biases, linears)
-            ]
-        )
-    return Linear.of(weight, bias, pack)
+    if all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [
+            b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
+            for b, linear in zip(biases, linears)
+        ]
+    )
+
+
+def quantized_linear(
+    parts: Sequence[Blocks], bias: torch.Tensor | None = None
+) -> QuantLinear | None:
+    """One :class:`~caddtree.models.quantized.QuantLinear` computing the weights ``parts`` side by
+    side (a GGUF file's blocks of one type), or ``None`` where they cannot be fused or computed
+    here (types that differ, or one the kernel does not take)."""
+    kinds = {part.kind for part in parts}
+    rows = sum(part.shape[0] for part in parts)
+    if len(kinds) != 1 or quantized_unsupported(parts[0].kind, (rows, parts[0].shape[1])):
+        return None
+    raw = np.concatenate([part.raw for part in parts]) if len(parts) > 1 else parts[0].raw
+    return QuantLinear(pack_blocks(raw, parts[0].kind), parts[0].kind, rows, bias)
+
+
+def weight_format(
+    layers: Sequence[LayerWeights], head: QuantLinear | None, dtype: torch.dtype
+) -> str:
+    """What the linear layers compute on: ``"bfloat16"`` (the dtype's name) where none is
+    quantized, the block type's name where all are (``"Q4_1"``), else the names of the mix
+    (``"Q4_K+Q6_K+bfloat16"``), the head's included."""
+    linears = [
+        linear for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    names = {
+        kind_name(linear.kind) if isinstance(linear, QuantLinear) else str(dtype).split(".")[-1]
+        for linear in (*linears, *([head] if head is not None else []))
+    }
+    return "+".join(sorted(names))
 
 
 def packed_layers_fit(model: Any) -> bool:
@@ -85,20 +124,42 @@ def packed_layers_fit(model: Any) -> bool:
 
 class LayerWeights(NamedTuple):
     input_norm: torch.Tensor
-    qkv: Linear
+    qkv: Linear | QuantLinear
     qk_norm: torch.Tensor | None  # Qwen3: q_norm's weight for each query head, then k_norm's
-    o: Linear
+    o: Linear | QuantLinear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | QuantLinear
+    down: Linear | QuantLinear
 
 
-def layer_weights(layer: Any, heads: int, kv_heads: int, pack: bool) -> LayerWeights:
+_FUSED = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def layer_weights(
+    layer: Any,
+    heads: int,
+    kv_heads: int,
+    pack: bool,
+    blocks: dict[str, Blocks] | None = None,
+    prefix: str = "",
+) -> LayerWeights:
     """The weights of a transformers decoder layer of the Llama / Qwen3 layout (``self_attn``
     with ``q/k/v/o_proj`` and, in Qwen3, ``q_norm``/``k_norm``; ``mlp`` with ``gate/up/down_proj``;
     ``input_layernorm``, ``post_attention_layernorm``), fused and packed (:func:`fused_linear`).
-    A DFlash drafter's layers have the same layout."""
-    attention, mlp = layer.self_attn, layer.mlp
+    A DFlash drafter's layers have the same layout.
+
+    ``blocks``: a GGUF file's weights by parameter name (``prefix`` + ``self_attn.q_proj.weight``,
+    ...); each fused linear whose parts it holds, of one type the quantized kernel takes, is
+    computed on those blocks (:func:`quantized_linear`) instead."""
+    attention = layer.self_attn
+    linears = {
+        key: _layer_linear(layer, names, pack, blocks, prefix) for key, names in _FUSED.items()
+    }
     q_norm = getattr(attention, "q_norm", None)
     qk_norm = None
     if q_norm is not None:
@@ -110,13 +171,27 @@ def layer_weights(layer: Any, heads: int, kv_heads: int, pack: bool) -> LayerWei
         )
     return LayerWeights(
         layer.input_layernorm.weight.detach(),
-        fused_linear([attention.q_proj, attention.k_proj, attention.v_proj], pack),
+        linears["qkv"],
         qk_norm,
-        fused_linear([attention.o_proj], pack),
+        linears["o"],
         layer.post_attention_layernorm.weight.detach(),
-        fused_linear([mlp.gate_proj, mlp.up_proj], pack),
-        fused_linear([mlp.down_proj], pack),
+        linears["gate_up"],
+        linears["down"],
     )
+
+
+def _layer_linear(
+    layer: Any, names: Sequence[str], pack: bool, blocks: dict[str, Blocks] | None, prefix: str
+) -> Linear | QuantLinear:
+    """The fused linear of ``layer``'s submodules ``names``: on a file's blocks where it can be
+    (:func:`quantized_linear`), else :func:`fused_linear`."""
+    modules = [layer.get_submodule(name) for name in names]
+    parts = [(blocks or {}).get(f"{prefix}{name}.weight") for name in names]
+    if all(part is not None for part in parts):
+        quantized = quantized_linear(parts, _fused_bias(modules))
+        if quantized is not None:
+            return quantized
+    return fused_linear(modules, pack)
 
 
 def rotary_tables(

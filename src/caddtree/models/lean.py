@@ -53,14 +53,17 @@ from .layers import (
     decoder_layer,
     layer_weights,
     packed_layers_fit,
+    quantized_linear,
     rms_norm,
     rotary_tables,
+    weight_format,
 )
 from .rows import Rows
 from .target import TreeVerifier
 
 if TYPE_CHECKING:
     from .compiled import CompiledLayers
+    from .gguf_blocks import Blocks
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanTarget", "LeanVerifier", "Rows", "lean_unsupported"]
 
@@ -116,6 +119,10 @@ class LeanTarget:
             rebuild the runtime after changing them.
         feature_layer_ids: decoder layers whose outputs :meth:`forward` returns, concatenated.
         pack: on the CPU, keep the fused weights packed for oneDNN.
+        blocks: a GGUF file's weights of this model (:func:`~caddtree.models.gguf_blocks.read_blocks`,
+            checked against it): in bfloat16 on the CPU, every linear layer and the LM head whose
+            blocks the quantized kernel takes runs on them (:mod:`caddtree.models.quantized`);
+            :attr:`weight_format` says what runs.
     """
 
     def __init__(
@@ -126,6 +133,7 @@ class LeanTarget:
         pack: bool = True,
         compile: bool = False,
         progress: bool = True,
+        blocks: dict[str, Blocks] | None = None,
     ) -> None:
         reason = lean_unsupported(model)
         if reason is not None:
@@ -147,10 +155,18 @@ class LeanTarget:
             and kernel_in_use(self.dtype)
             and attention_fits(self.head_dim, self.heads, self.kv_heads)
         )
+        if blocks and (self.device.type != "cpu" or self.dtype is not torch.bfloat16):
+            raise InvalidInputError(
+                "quantized weights run in bfloat16 on the CPU; load the model with "
+                "dtype=bfloat16 on the CPU, or de-quantize them"
+            )
         self.layers = [
-            layer_weights(layer, self.heads, self.kv_heads, self.pack)
-            for layer in model.model.layers
+            layer_weights(layer, self.heads, self.kv_heads, self.pack, blocks, f"model.layers.{i}.")
+            for i, layer in enumerate(model.model.layers)
         ]
+        head = (blocks or {}).get("lm_head.weight")
+        self.head = quantized_linear([head]) if head is not None else None
+        self.weight_format = weight_format(self.layers, self.head, self.dtype)
         self.shape = Shape(self.heads, self.kv_heads, self.head_dim, self.eps)
         self.slots, self.capacity = 0, 0
         self._written: list[int] = []
@@ -328,7 +344,8 @@ class LeanTarget:
             if outputs
             else x.new_zeros((x.shape[0], 0))
         )
-        return self.model.lm_head(normed), features
+        head = self.head if self.head is not None else self.model.lm_head
+        return head(normed), features
 
     def _layers(
         self,
@@ -454,9 +471,10 @@ class LeanVerifier(TreeVerifier):
         pack: bool = True,
         compile: str = "off",
         progress: bool = True,
+        blocks: dict[str, Blocks] | None = None,
     ) -> None:
         self._setup(model, feature_layer_ids)
-        self.target = LeanTarget(model, self.feature_layer_ids, pack=pack)
+        self.target = LeanTarget(model, self.feature_layer_ids, pack=pack, blocks=blocks)
         if compile == "on" or (compile == "auto" and self._compiles_well()):
             self._compile(compile, progress)
         self.runtime = "lean" if self.target.compiled is None else "compiled"

@@ -25,6 +25,7 @@
 
 #include "amx.h"
 #include "linear_op.h"
+#include "round_bf16.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -63,24 +64,15 @@ constexpr int64_t kPrefetch = 16; // column pairs ahead to prefetch
 
 using Problem = caddtree_linear::Problem<c10::BFloat16>;
 
-// caddtree_linear::write_outputs of 16 outputs in vector registers: the sums plus the bias,
-// rounded to bfloat16 as c10::BFloat16 rounds (to nearest even; NaN as 0x7FC0), so the bits are
-// the scalar loop's. Both the vector passes and the tile unit's blocks write through it: a batched
-// call writes tens of thousands of these, and one at a time they took longer than the tile
+// caddtree_linear::write_outputs of 16 outputs in vector registers (caddtree_round, the same bits
+// as the scalar loop). Both the vector passes and the tile unit's blocks write through it: a
+// batched call writes tens of thousands of these, and one at a time they took longer than the tile
 // products of a block of 16 more rows. `out` is 64-byte aligned.
 inline void write_16_outputs(const Problem& p, int64_t row, int64_t first, const float* out) {
   const int64_t valid = std::min<int64_t>(p.N - first, 16);
   if (valid <= 0) return;
-  const auto mask = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
-  __m512 sums = _mm512_load_ps(out);
-  if (p.bias) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(mask, p.bias + first));
-  const __m512i bits = _mm512_castps_si512(sums);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(p.y + row * p.N + first, mask, _mm512_cvtepi32_epi16(rounded));
+  caddtree_round::store_16_bf16(p.y + row * p.N + first, p.bias ? p.bias + first : nullptr, valid,
+                                _mm512_load_ps(out));
 }
 
 // Rows m0 .. m0 + MB - 1 of the output, columns o0 .. o0 + 31 (one weight group).

@@ -56,9 +56,9 @@ inline void write_outputs(const Problem<X>& p, int64_t row, int64_t first, const
 // takes r) as there can be, of balanced sizes (a pass of one or two rows over a group already in
 // cache is bound by the latency of its few accumulator chains, so a small remainder pass would
 // cost a full one).
-template <class X, size_t N>
-inline void balanced_passes(const std::array<Pass<X>, N>& passes, const Problem<X>& p,
-                            const uint16_t* wg, int64_t M, int64_t o0) {
+template <class P, class W, size_t N>
+inline void balanced_passes(const std::array<void (*)(const P&, const W*, int64_t, int64_t), N>& passes,
+                            const P& p, const W* wg, int64_t M, int64_t o0) {
   const int64_t count = (M + static_cast<int64_t>(N) - 1) / static_cast<int64_t>(N);
   for (int64_t i = 0, m = 0; i < count; ++i) {
     const int64_t rows = (M - m) / (count - i) + ((M - m) % (count - i) != 0);

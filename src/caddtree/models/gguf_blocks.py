@@ -1,0 +1,129 @@
+"""A GGUF file's quantized weights as the lean runtime takes them: blocks, not floats.
+
+:func:`read_blocks` maps a Llama-family or Qwen3 GGUF's linear weights (the decoder layers'
+projections and the output head) to the transformers parameter names the lean runtime knows, as
+:class:`Blocks` (the file's bytes, memory-mapped, with ggml's type id). Llama files store the q
+and k projections with their rows permuted for ggml's rotary layout; the rows come back in
+transformers' order here, as transformers' own GGUF loader puts them (rows move whole, so blocks
+are untouched). :func:`check_blocks` compares a few rows of each weight, de-quantized by the
+``gguf`` package, with the model the runtime was built from, so a file that does not hold the
+model's weights is refused rather than run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..util.errors import CheckpointError
+
+__all__ = ["Blocks", "check_blocks", "read_blocks"]
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ARCHITECTURES = ("llama", "qwen3")
+
+
+class Blocks(NamedTuple):
+    """One weight [n, k] in a file's blocks: ``raw`` uint8 [n, bytes per row], ggml type id."""
+
+    raw: np.ndarray
+    kind: int
+    shape: tuple[int, int]
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types and field.types[0].name == "STRING" else value[0]
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of a Llama q or k weight from ggml's rotary order back to transformers' order."""
+    half = rows.shape[0] // heads // 2
+    order = np.arange(rows.shape[0]).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+    return rows[order]
+
+
+def read_blocks(path: str | os.PathLike[str]) -> dict[str, Blocks]:
+    """The linear weights of the GGUF at ``path`` by transformers parameter name
+    (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``; a file without an output tensor
+    ties the head to ``token_embd``). Raises :class:`~caddtree.util.errors.CheckpointError` for a
+    file that cannot be read or an architecture other than Llama or Qwen3."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(os.fspath(path))
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as exc:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: its architecture {arch!r} is not one caddtree computes on quantized blocks "
+            f"({', '.join(_ARCHITECTURES)}); pass --dequantize to run it in bfloat16"
+        )
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
+    out: dict[str, Blocks] = {}
+    tensors = {t.name: t for t in reader.tensors}
+    for name, tensor in tensors.items():
+        found = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if found and found.group(2) in _LAYER_TENSORS:
+            hf = f"model.layers.{found.group(1)}.{_LAYER_TENSORS[found.group(2)]}.weight"
+        elif name == "output.weight" or (
+            name == "token_embd.weight" and "output.weight" not in tensors
+        ):
+            hf = "lm_head.weight"
+        else:
+            continue
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(int(tensor.shape[1]), -1)
+        if arch == "llama" and found and found.group(2) in ("attn_q", "attn_k"):
+            raw = _unpermute(raw, heads if found.group(2) == "attn_q" else kv_heads)
+        out[hf] = Blocks(raw, int(tensor.tensor_type), (int(tensor.shape[1]), int(tensor.shape[0])))
+    return out
+
+
+def check_blocks(blocks: dict[str, Blocks], model: Any, rows: int = 4) -> None:
+    """Refuse (:class:`~caddtree.util.errors.CheckpointError`) blocks that are not ``model``'s
+    weights: every linear weight of the model must be there, of its shape, and its first ``rows``
+    rows, de-quantized, must round to the model's values in the model's dtype."""
+    import gguf
+
+    for name, weight in _linear_weights(model):
+        block = blocks.get(name)
+        if block is None:
+            raise CheckpointError(f"the GGUF file has no tensor for {name}")
+        if block.shape != tuple(weight.shape):
+            raise CheckpointError(
+                f"the GGUF tensor for {name} is {list(block.shape)}, the model's {list(weight.shape)}"
+            )
+        head = gguf.quants.dequantize(block.raw[:rows], gguf.GGMLQuantizationType(block.kind))
+        expected = weight[:rows].detach().to("cpu", torch.float32)
+        if not torch.equal(torch.from_numpy(head).to(weight.dtype).float(), expected):
+            raise CheckpointError(
+                f"the GGUF tensor for {name} does not hold the model's weights (its first rows "
+                "differ); load the model from the same file"
+            )
+
+
+def _linear_weights(model: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    for i, layer in enumerate(model.model.layers):
+        for suffix in _LAYER_TENSORS.values():
+            module = layer.get_submodule(suffix)
+            yield f"model.layers.{i}.{suffix}.weight", module.weight
+    yield "lm_head.weight", model.lm_head.weight

@@ -1,0 +1,272 @@
+"""GGUF's quantized blocks computed directly (caddtree.models.quantized, csrc/linear_q.cpp): the
+kernel's products against float64 references built from the gguf package's own de-quantization,
+a row's bits alone and among others, and every decoding method equal to plain decoding on
+quantized weights; reading blocks from a GGUF file, and its errors."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from caddtree.engine.batching import BatchDecoder, GenerationRequest
+from caddtree.engine.decoding import make_policy
+from caddtree.models import DFlashProposer
+from caddtree.models.gguf_blocks import Blocks, check_blocks, read_blocks
+from caddtree.models.lean import LeanTarget, LeanVerifier
+from caddtree.models.quantized import (
+    QUANT_KINDS,
+    QuantLinear,
+    pack_blocks,
+    quantized_kernel_available,
+)
+from caddtree.util.errors import CheckpointError
+from oracle import OracleProposer, decode_with
+from test_decoding import POLICIES, PROMPTS
+from tiny_models import FEATURE_LAYER_IDS, llama_target, new_drafter, qwen3_target
+
+pytestmark = pytest.mark.skipif(
+    not quantized_kernel_available(),
+    reason="the quantized kernel needs AVX512-BF16 and AVX512-VNNI, and g++",
+)
+
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def quantize(weight: np.ndarray, kind: int) -> np.ndarray:
+    return gguf.quants.quantize(weight.astype(np.float32), GGMLQuantizationType(kind))
+
+
+def dequantize(raw: np.ndarray, kind: int) -> np.ndarray:
+    return gguf.quants.dequantize(raw, GGMLQuantizationType(kind))
+
+
+def quantized_input(x: torch.Tensor) -> np.ndarray:
+    """The kernel's arithmetic on the input, written out: per block of 32, d = max|x| / 127 and
+    q = x / d rounded to nearest even (float32), as float64 values q * d."""
+    rows, k = x.shape
+    blocks = x.float().numpy().reshape(rows, k // 32, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.rint(blocks * inverse[..., None])
+    return (q * d[..., None].astype(np.float64)).reshape(rows, k), q.reshape(rows, k), d
+
+
+@pytest.mark.parametrize("kind", QUANT_KINDS.values(), ids=QUANT_KINDS.keys())
+@pytest.mark.parametrize(("n", "k"), [(45, 96), (64, 32), (100, 1536), (33, 576), (1, 160)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_the_kernel_computes_the_product_of_the_blocks(kind, n, k, rows):
+    rng = np.random.default_rng(n * k + rows)
+    raw = quantize(rng.standard_normal((n, k)), kind)
+    weight = dequantize(raw, kind).astype(np.float64)  # the gguf package's reading of the blocks
+    bias = torch.randn(n).bfloat16() if rows % 2 else None
+    x = torch.randn(rows, k).bfloat16()
+    out = QuantLinear(pack_blocks(raw, kind), kind, n, bias)(x)
+    assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
+    inputs, _, _ = quantized_input(x)
+    exact = inputs @ weight.T + (0 if bias is None else bias.double().numpy())
+    # float32 sums over k / 32 blocks, then one rounding to bfloat16 (half an ulp: 2^-8)
+    scale = np.abs(inputs) @ np.abs(weight).T + np.abs(exact)
+    error = np.abs(out.double().numpy() - exact)
+    assert (error <= 2.0**-8 * np.abs(exact) + (k // 32 + 4) * 2.0**-22 * scale).all()
+
+
+def test_the_input_is_quantized_as_written():
+    x = torch.randn(7, 96).bfloat16()
+    x[2, 32:64] = 0  # an all-zero block: scale 0, integers 0
+    q, d = torch.ops.caddtree.quantize_input(x)
+    _, expected_q, expected_d = quantized_input(x)
+    assert np.array_equal(q.numpy(), expected_q.astype(np.int8))
+    assert np.array_equal(d.numpy(), expected_d)
+
+
+@pytest.mark.parametrize("kind", QUANT_KINDS.values(), ids=QUANT_KINDS.keys())
+def test_a_row_gives_the_same_bits_alone_or_among_others(kind):
+    rng = np.random.default_rng(kind)
+    raw = quantize(rng.standard_normal((200, 576)), kind)
+    linear = QuantLinear(pack_blocks(raw, kind), kind, 200)
+    x = torch.randn(64, 576).bfloat16()
+    together = linear(x)
+    for count in (1, 2, 5, 7, 13, 64):  # every pass size and split inside the kernel
+        for start in range(0, 64, count):
+            part = linear(x[start : start + count])
+            assert torch.equal(part, together[start : start + count]), (count, start)
+
+
+def test_bad_inputs_get_clear_errors():
+    raw = quantize(np.ones((32, 64)), 3)
+    packed = pack_blocks(raw, 3)
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="block format 5"):
+        torch.ops.caddtree.linear_q(x, packed, 5, 32)
+    with pytest.raises(RuntimeError, match="packed by"):
+        torch.ops.caddtree.linear_q(x, packed, 8, 32)
+    with pytest.raises(RuntimeError, match="input has 63 features"):
+        torch.ops.caddtree.linear_q(torch.randn(2, 63).bfloat16(), packed, 3, 32)
+    with pytest.raises(RuntimeError, match="bfloat16 input"):
+        torch.ops.caddtree.linear_q(x.float(), packed, 3, 32)
+    with pytest.raises(ValueError, match="whole 20-byte blocks"):
+        pack_blocks(raw[:, :-1], 3)
+
+
+def quantized_model(model, kind: int):
+    """``model`` in bfloat16 with every linear weight replaced by its ``kind`` blocks' values, and
+    those blocks by parameter name (as :func:`read_blocks` gives a file's)."""
+    model = model.to(torch.bfloat16)
+    blocks = {}
+    names = [f"model.layers.{i}.{p}" for i in range(len(model.model.layers)) for p in PROJECTIONS]
+    with torch.no_grad():
+        for name in [*names, "lm_head"]:
+            module = model.get_submodule(name)
+            raw = quantize(module.weight.float().numpy(), kind)
+            module.weight.copy_(torch.from_numpy(dequantize(raw, kind)))
+            blocks[f"{name}.weight"] = Blocks(raw, kind, tuple(module.weight.shape))
+    check_blocks(blocks, model)
+    return model, blocks
+
+
+@pytest.fixture(scope="module", params=list(QUANT_KINDS), ids=list(QUANT_KINDS))
+def quantized(request):
+    model, blocks = quantized_model(qwen3_target(), QUANT_KINDS[request.param])
+    return model, blocks, new_drafter(qwen3_target()).to(torch.bfloat16)
+
+
+def test_the_runtime_computes_every_linear_layer_on_the_blocks(quantized):
+    model, blocks, _ = quantized
+    target = LeanTarget(model, FEATURE_LAYER_IDS, blocks=blocks)
+    kind = next(iter(blocks.values())).kind
+    for layer in target.layers:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert isinstance(linear, QuantLinear) and linear.kind == kind
+    assert isinstance(target.head, QuantLinear)
+    assert target.weight_format == {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}[kind]
+    # close to the same weights in bfloat16 (the inputs' int8 rounding aside)
+    plain = LeanVerifier(model, (), compile="off")
+    ours = LeanVerifier(model, (), compile="off", blocks=blocks)
+    ids = torch.tensor([5, 17, 3, 44, 8, 21, 30])
+    plain.reset()
+    ours.reset()
+    a, b = plain.prefill(ids)[0].float(), ours.prefill(ids)[0].float()
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+@pytest.mark.parametrize("drafter_kind", ["dflash", "noisy-oracle"])
+def test_every_method_equals_plain_decoding_on_quantized_weights(quantized, drafter_kind):
+    model, blocks, drafter = quantized
+    verifier = partial(LeanVerifier, compile="off", blocks=blocks)
+    for prompt in PROMPTS:
+        reference = None
+        for method, kwargs in POLICIES:
+            if drafter_kind == "dflash":
+                proposer = DFlashProposer(drafter, model)
+            else:
+                proposer = OracleProposer(model, prompt, mode="noisy")
+            result = decode_with(
+                model, prompt, method, kwargs, proposer, 24, verifier_type=verifier
+            )
+            reference = reference or result.token_ids
+            assert result.token_ids == reference, (method, kwargs)
+
+
+def test_batches_with_joins_and_leaves_equal_plain_decoding(quantized):
+    model, blocks, drafter = quantized
+    target = LeanTarget(model, FEATURE_LAYER_IDS, blocks=blocks)
+    policies = [make_policy(m, **k) for m, k in POLICIES[:6]]
+    alone = [
+        BatchDecoder(target, drafter, max_batch=1, capacity=64)
+        .run([GenerationRequest(prompt, make_policy("ar"), 30)])[0]
+        .output
+        for prompt in PROMPTS
+    ]
+    requests = [
+        GenerationRequest(PROMPTS[i % len(PROMPTS)], policy, 12 + 3 * i)
+        for i, policy in enumerate(policies)
+    ]
+    done = BatchDecoder(target, drafter, max_batch=3, capacity=64).run(requests)
+    for request in done:
+        expected = alone[PROMPTS.index(list(request.prompt_ids))][: request.max_new_tokens]
+        assert request.output == expected, request.policy.name
+
+
+# ---- GGUF files ------------------------------------------------------------------------------------
+
+
+def permute_for_ggml(rows: np.ndarray, heads: int) -> np.ndarray:
+    """The row order llama.cpp's converter writes a Llama q or k weight in."""
+    shape = rows.shape
+    return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def write_gguf(path, model, kind: int, arch: str = "llama") -> None:
+    """``model``'s linear weights as a GGUF of ``arch`` with ``kind`` blocks (q and k permuted as
+    llama.cpp writes Llama files), norms in float32, and no output tensor where the head is tied."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
+    files = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "attn_output": 3, "ffn_gate": 4}
+    files.update({"ffn_up": 5, "ffn_down": 6})
+    for i, layer in enumerate(model.model.layers):
+        for name, index in files.items():
+            weight = layer.get_submodule(PROJECTIONS[index]).weight.detach().float().numpy()
+            if name in ("attn_q", "attn_k"):
+                heads = (
+                    config.num_attention_heads if name == "attn_q" else config.num_key_value_heads
+                )
+                weight = permute_for_ggml(weight, heads)
+            raw = quantize(weight, kind)
+            writer.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=GGMLQuantizationType(kind))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(config.hidden_size, np.float32))
+    head = quantize(model.lm_head.weight.detach().float().numpy(), kind)
+    writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType(kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_blocks_read_from_a_gguf_file_are_the_models_weights(tmp_path):
+    model, blocks = quantized_model(llama_target(num_key_value_heads=2), 8)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, 8)
+    read = read_blocks(path)
+    assert set(read) == set(blocks)
+    for name, block in blocks.items():
+        assert read[name].kind == 8 and read[name].shape == block.shape
+        assert np.array_equal(read[name].raw, block.raw), name  # q and k back in model order
+    check_blocks(read, model)
+
+
+def test_files_that_are_not_the_models_or_not_computable_are_refused(tmp_path):
+    model, blocks = quantized_model(llama_target(num_key_value_heads=2), 3)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, 3)
+    other, _ = quantized_model(llama_target(num_key_value_heads=2, seed=7), 3)
+    with pytest.raises(CheckpointError, match="does not hold the model's weights"):
+        check_blocks(read_blocks(path), other)
+    gpt2 = tmp_path / "gpt2.gguf"
+    write_gguf(gpt2, model, 3, arch="gpt2")
+    with pytest.raises(CheckpointError, match="architecture 'gpt2'.*--dequantize"):
+        read_blocks(gpt2)
+    data = path.read_bytes()
+    for size, name in ((len(data) // 2, "half"), (20, "header"), (0, "empty")):
+        cut = tmp_path / f"{name}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+            read_blocks(cut)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        read_blocks(garbage)
