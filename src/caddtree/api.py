@@ -9,7 +9,6 @@ print(out.text, out.stats.tau, out.stats.ms_per_token)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +31,7 @@ from .engine.decoding import (
 )
 from .engine.requests import GenerationRequest
 from .engine.tokens import chat_template_ids, eos_token_ids, stop_string_criterion
+from .models.gguf_blocks import gguf_location, gguf_source, quantized_blocks
 from .util.checks import (
     chat_messages,
     check_chat_template_kwargs,
@@ -124,65 +124,6 @@ def _verifier(
 
 
 _COMPILE = {"auto": "auto", "lean": "off", "compiled": "on"}
-
-
-def gguf_location(
-    target: str | os.PathLike[str], gguf_file: str | None
-) -> tuple[str | os.PathLike[str], str | None]:
-    """``(directory, file name)`` for a target given as the path of a ``.gguf`` file; else the
-    arguments as they are."""
-    path = Path(target).expanduser()
-    if gguf_file is None and path.suffix.lower() == ".gguf" and path.is_file():
-        return str(path.parent), path.name
-    return target, gguf_file
-
-
-def gguf_source(target: str | os.PathLike[str], gguf_file: str | None) -> Path | None:
-    """The GGUF file a target is read from: ``gguf_file`` in ``target``'s directory, or the file
-    the built-in target was converted from (named in its cache marker); else ``None``."""
-    from .util.defaults import CACHE_MARKER
-
-    if gguf_file:
-        return Path(target) / gguf_file
-    try:
-        marker = json.loads((Path(target) / CACHE_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    source = marker.get("gguf_file") if isinstance(marker, dict) else None
-    return Path(source) if isinstance(source, str) and Path(source).is_file() else None
-
-
-def quantized_blocks(path: Path | None, model: Any) -> dict[str, Any] | None:
-    """The quantized weights of the GGUF at ``path`` for ``model`` (checked against it), where
-    caddtree's kernel computes them here: a bfloat16 model on a CPU with the AVX512 kernels.
-    Elsewhere ``None``, with a note of why (the model then runs de-quantized)."""
-    from .models.gguf_blocks import check_blocks, read_blocks
-    from .models.quantized import QUANT_KINDS, kind_name, quantized_kernel_available
-
-    weight = model.get_input_embeddings().weight
-    if path is None or weight.device.type != "cpu" or weight.dtype is not torch.bfloat16:
-        return None
-    if not quantized_kernel_available():
-        logger.warning(
-            "%s runs de-quantized to bfloat16: caddtree's quantized kernel needs a CPU with "
-            "AVX512-BF16 and AVX512-VNNI and a C++ compiler",
-            path.name,
-        )
-        return None
-    blocks = read_blocks(path)
-    check_blocks(blocks, model)
-    others = sorted(
-        {kind_name(b.kind) for b in blocks.values() if b.kind not in QUANT_KINDS.values()}
-    )
-    if others:
-        logger.warning(
-            "%s: its %s tensors run de-quantized to bfloat16 (caddtree computes %s blocks as "
-            "they are); a file of those types runs faster",
-            path.name,
-            ", ".join(others),
-            ", ".join(QUANT_KINDS),
-        )
-    return blocks
 
 
 class SpeculativeGenerator:
@@ -304,7 +245,8 @@ class SpeculativeGenerator:
         A target read from a GGUF file (``gguf_file``, or the built-in one) keeps its quantized
         weights on the lean runtimes in bfloat16 on CPUs whose kernels compute them
         (:mod:`caddtree.models.quantized`: Q4_0, Q4_1, Q8_0); ``dequantize`` runs them as
-        bfloat16 instead. ``weight_format`` says which ran."""
+        bfloat16 instead; ``dtype="auto"`` is bfloat16 for such a target on the CPU.
+        ``weight_format`` says which ran."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from .models.attention import preferred_attention
@@ -316,6 +258,8 @@ class SpeculativeGenerator:
         target, gguf_file = gguf_location(target, gguf_file)
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
+        if gguf_file and dtype == "auto" and dev.type == "cpu":
+            torch_dtype = torch.bfloat16  # a GGUF's quantized blocks run with bfloat16 rows
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         what = "the target model"
         check_model_location(target, what, gguf_file or "config.json")
@@ -352,7 +296,7 @@ class SpeculativeGenerator:
         model = model.to(dev)
         blocks = None
         if not dequantize and runtime != "transformers":
-            blocks = quantized_blocks(gguf_source(target, gguf_file), model)
+            blocks = quantized_blocks(gguf_source(target, gguf_file), model)  # or None
         gen = cls(
             model,
             tokenizer,
@@ -363,6 +307,8 @@ class SpeculativeGenerator:
             runtime=runtime,
             blocks=blocks,
         )
+        if blocks and gen.runtime != "transformers":
+            gen.verifier.target.release_quantized_sources()  # their blocks run instead
         named = Path(target) / gguf_file if gguf_file else target
         gen.source = {"target": str(named), "draft": None if draft is None else str(draft)}
         return gen

@@ -235,11 +235,21 @@ def _json_output(gen: Any, compared: Any, divergence: Any, args: argparse.Namesp
     return json.dumps(out)
 
 
+def _run_label(gen: Any, dtype: Any) -> str:
+    """A run's dtype, and the weights it computed on where they are not of that dtype (the run's
+    own dtype on a GGUF's quantized blocks: ``bfloat16, Q4_1+Q8_0 weights``)."""
+    from ..util.devices import dtype_name
+
+    name = dtype_name(dtype)
+    weights = getattr(gen, "weight_format", name)
+    if dtype == gen.verifier.dtype and weights != name:
+        return f"{name}, {weights} weights"
+    return name
+
+
 def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Namespace) -> None:
     """Each run's statistics, and with AR the timings, the speed-up and the lossless check, on
     stderr."""
-    from ..util.devices import dtype_name
-
     result, ar_runs, fastest = compared.result, compared.ar_runs, compared.fastest
     rows = [(result, gen.verifier.dtype, "")]
     for i, (dtype, run) in enumerate(ar_runs):
@@ -253,7 +263,7 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
             else f"  mean budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
         )
         print(
-            f"[{s.method} {dtype_name(dtype)}] {s.new_tokens} tokens in {s.rounds} rounds  "
+            f"[{s.method} {_run_label(gen, dtype)}] {s.new_tokens} tokens in {s.rounds} rounds  "
             f"tau {s.tau:.2f}{budget}  {s.ms_per_token:.1f} ms/token  ({s.stop_reason}){note}",
             file=sys.stderr,
         )
@@ -261,8 +271,8 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
     if compared.baseline is None:
         return
     if len(compared.every_ms[0]) > 1:
-        names = [f"{result.method} {dtype_name(gen.verifier.dtype)}"]
-        names += [f"ar {dtype_name(dtype)}" for dtype, _ in ar_runs]
+        names = [f"{result.method} {_run_label(gen, gen.verifier.dtype)}"]
+        names += [f"ar {_run_label(gen, dtype)}" for dtype, _ in ar_runs]
         print(
             f"each run timed {len(compared.every_ms[0])} times in alternating order and shown by "
             "its median (ms/token: "
@@ -273,14 +283,12 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
             + ")",
             file=sys.stderr,
         )
-    _print_speedup(compared, args)
+    _print_speedup(gen, compared, args)
     if divergence is not None:
         print(divergence.describe(), file=sys.stderr)
 
 
-def _print_speedup(compared: Any, args: argparse.Namespace) -> None:
-    from ..util.devices import dtype_name
-
+def _print_speedup(gen: Any, compared: Any, args: argparse.Namespace) -> None:
     result, ar_runs, fastest = compared.result, compared.ar_runs, compared.fastest
     same = (
         "identical output" if compared.baseline.token_ids == result.token_ids else "outputs differ"
@@ -296,19 +304,19 @@ def _print_speedup(compared: Any, args: argparse.Namespace) -> None:
         return
     others = ", ".join(
         f"{run.stats.ms_per_token / result.stats.ms_per_token:.2f}x against AR in "
-        f"{dtype_name(dtype)}"
+        f"{_run_label(gen, dtype)}"
         for i, (dtype, run) in enumerate(ar_runs)
         if i != fastest
     )
     print(
         f"speed-up of {result.method} over AR, same run: {speedup:.2f}x against AR in "
-        f"{dtype_name(ar_runs[fastest][0])}, the fastest AR ({others})",
+        f"{_run_label(gen, ar_runs[fastest][0])}, the fastest AR ({others})",
         file=sys.stderr,
     )
     info = ""
     if args.temperature == 0:
         info = "".join(
-            f"; AR in {dtype_name(dtype)} gives "
+            f"; AR in {_run_label(gen, dtype)} gives "
             + (
                 "the same tokens"
                 if run.token_ids == result.token_ids
@@ -317,7 +325,7 @@ def _print_speedup(compared: Any, args: argparse.Namespace) -> None:
             for dtype, run in ar_runs[1:]
         )
     print(
-        f"lossless check against AR in {dtype_name(ar_runs[0][0])}: {same}{info}",
+        f"lossless check against AR in {_run_label(gen, ar_runs[0][0])}: {same}{info}",
         file=sys.stderr,
     )
 

@@ -7,15 +7,20 @@ and k projections with their rows permuted for ggml's rotary layout; the rows co
 transformers' order here, as transformers' own GGUF loader puts them (rows move whole, so blocks
 are untouched). :func:`check_blocks` compares a few rows of each weight, de-quantized by the
 ``gguf`` package, with the model the runtime was built from, so a file that does not hold the
-model's weights is refused rather than run.
+model's weights is refused rather than run. :func:`quantized_blocks` does both for a model
+loaded from a file (:func:`gguf_location`, :func:`gguf_source` say which file), where the
+quantized kernel runs.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import struct
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,7 +28,16 @@ import torch
 
 from ..util.errors import CheckpointError
 
-__all__ = ["Blocks", "check_blocks", "read_blocks"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Blocks",
+    "check_blocks",
+    "gguf_location",
+    "gguf_source",
+    "quantized_blocks",
+    "read_blocks",
+]
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -127,3 +141,61 @@ def _linear_weights(model: Any) -> Iterable[tuple[str, torch.Tensor]]:
             module = layer.get_submodule(suffix)
             yield f"model.layers.{i}.{suffix}.weight", module.weight
     yield "lm_head.weight", model.lm_head.weight
+
+
+def gguf_location(
+    target: str | os.PathLike[str], gguf_file: str | None
+) -> tuple[str | os.PathLike[str], str | None]:
+    """``(directory, file name)`` for a target given as the path of a ``.gguf`` file; else the
+    arguments as they are."""
+    path = Path(target).expanduser()
+    if gguf_file is None and path.suffix.lower() == ".gguf" and path.is_file():
+        return str(path.parent), path.name
+    return target, gguf_file
+
+
+def gguf_source(target: str | os.PathLike[str], gguf_file: str | None) -> Path | None:
+    """The GGUF file a target is read from: ``gguf_file`` in ``target``'s directory, or the file
+    the built-in target was converted from (named in its cache marker); else ``None``."""
+    from ..util.defaults import CACHE_MARKER
+
+    if gguf_file:
+        return Path(target) / gguf_file
+    try:
+        marker = json.loads((Path(target) / CACHE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    source = marker.get("gguf_file") if isinstance(marker, dict) else None
+    return Path(source) if isinstance(source, str) and Path(source).is_file() else None
+
+
+def quantized_blocks(path: Path | None, model: Any) -> dict[str, Any] | None:
+    """The quantized weights of the GGUF at ``path`` for ``model`` (checked against it), where
+    caddtree's kernel computes them here: a bfloat16 model on a CPU with the AVX512 kernels.
+    Elsewhere ``None``, with a note of why (the model then runs de-quantized)."""
+    from .quantized import QUANT_KINDS, kind_name, quantized_kernel_available
+
+    weight = model.get_input_embeddings().weight
+    if path is None or weight.device.type != "cpu" or weight.dtype is not torch.bfloat16:
+        return None
+    if not quantized_kernel_available():
+        logger.warning(
+            "%s runs de-quantized to bfloat16: caddtree's quantized kernel needs a CPU with "
+            "AVX512-BF16 and AVX512-VNNI and a C++ compiler",
+            path.name,
+        )
+        return None
+    blocks = read_blocks(path)
+    check_blocks(blocks, model)
+    others = sorted(
+        {kind_name(b.kind) for b in blocks.values() if b.kind not in QUANT_KINDS.values()}
+    )
+    if others:
+        logger.warning(
+            "%s: its %s tensors run de-quantized to bfloat16 (caddtree computes %s blocks as "
+            "they are); a file of those types runs faster",
+            path.name,
+            ", ".join(others),
+            ", ".join(QUANT_KINDS),
+        )
+    return blocks

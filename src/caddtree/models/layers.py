@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .gguf_blocks import Blocks
 
 __all__ = [
+    "FUSED_LINEARS",
     "Attend",
     "LayerWeights",
     "Linear",
@@ -132,7 +133,7 @@ class LayerWeights(NamedTuple):
     down: Linear | QuantLinear
 
 
-_FUSED = {
+FUSED_LINEARS = {  # the lean layers' fused linears, of the model's submodules
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
@@ -158,7 +159,8 @@ def layer_weights(
     computed on those blocks (:func:`quantized_linear`) instead."""
     attention = layer.self_attn
     linears = {
-        key: _layer_linear(layer, names, pack, blocks, prefix) for key, names in _FUSED.items()
+        key: _layer_linear(layer, names, pack, blocks, prefix)
+        for key, names in FUSED_LINEARS.items()
     }
     q_norm = getattr(attention, "q_norm", None)
     qk_norm = None

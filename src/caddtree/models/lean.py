@@ -58,6 +58,7 @@ from .layers import (
     rotary_tables,
     weight_format,
 )
+from .quantized import QuantLinear
 from .rows import Rows
 from .target import TreeVerifier
 
@@ -177,6 +178,23 @@ class LeanTarget:
         self.compiled: CompiledLayers | None = None
         if compile:
             self.compile(progress)
+
+    def release_quantized_sources(self) -> int:
+        """Free the model's own weights of the linear layers that run on a file's blocks here
+        (moved to the meta device: the model's transformers forward cannot run after this, the
+        runtime never calls it). Returns how many were freed. For a model loaded only to serve
+        this runtime (``SpeculativeGenerator.from_pretrained`` calls it)."""
+        from .layers import FUSED_LINEARS
+
+        freed = 0
+        for layer, weights in zip(self.model.model.layers, self.layers):
+            for key, names in FUSED_LINEARS.items():
+                if isinstance(getattr(weights, key), QuantLinear):
+                    for name in names:
+                        module = layer.get_submodule(name)
+                        module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+                        freed += 1
+        return freed
 
     def compile(self, progress: bool = True) -> None:
         """Compile the layers (:mod:`caddtree.models.compiled`) before the cache is reserved;
