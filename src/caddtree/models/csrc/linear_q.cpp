@@ -191,7 +191,7 @@ void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
   }
 }
 
-constexpr int kMaxRows = 6;  // input rows per pass over a group: 24 vector registers of sums
+constexpr int kMaxRows = 4;  // input rows per pass over a group (more spilled registers, no faster)
 
 using Pass = void (*)(const Problem&, const uint8_t*, int64_t, int64_t);
 
