@@ -9,7 +9,9 @@
                                      [--batched] [--json PATH]
                                      [--datasets humaneval gsm8k mt-bench [--max-samples 20]]
 
-llama.cpp: the binaries in ``$LLAMA_CPP_DIR`` (its ``build/bin``, ``bin`` or itself: llama-bench,
+llama.cpp (``LLAMA_CPP_BUILD=native``, the default: GGML_NATIVE; ``no-amx``: every x86 vector
+extension but the AMX paths, for CPUs where the native build dies on quantized batches): the
+binaries in ``$LLAMA_CPP_DIR`` (its ``build/bin``, ``bin`` or itself: llama-bench,
 llama-quantize, llama-batched-bench); without it, llama.cpp is built once (cmake and a C++
 compiler, about 5 minutes on 2 cores, at nice 19) from the copy vendored in the
 ``llama-cpp-python==0.3.36`` sdist (``pip download``), statically linked, and cached in
@@ -95,13 +97,40 @@ from chat_prompts import PROMPTS as ALL_PROMPTS
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 BINARIES = ("llama-bench", "llama-quantize", "llama-batched-bench")
-CMAKE_FLAGS = [
+COMMON_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # binaries that still run once moved out of the build tree
 ]
+BUILDS = {
+    # llama.cpp's fastest: built for the CPU it is built on
+    "native": ["-DGGML_NATIVE=ON"],
+    # for CPUs where the native build dies on quantized batches (seen on an AMX Xeon: SIGILL on
+    # every batch of more than one token): every x86 vector extension on, the AMX paths off
+    "no-amx": [
+        "-DGGML_NATIVE=OFF",
+        *(
+            f"-DGGML_{name}=ON"
+            for name in (
+                "AVX",
+                "AVX2",
+                "FMA",
+                "F16C",
+                "BMI2",
+                "AVX512",
+                "AVX512_VBMI",
+                "AVX512_VNNI",
+                "AVX512_BF16",
+                "AVX_VNNI",
+            )
+        ),
+        *(f"-DGGML_{name}=OFF" for name in ("AMX_TILE", "AMX_INT8", "AMX_BF16")),
+    ],
+}
+BUILD = os.environ.get("LLAMA_CPP_BUILD", "native")
+"""Which build (``LLAMA_CPP_BUILD=native|no-amx``), cached in a folder of its own."""
+CMAKE_FLAGS = [*COMMON_FLAGS, *BUILDS.get(BUILD, BUILDS["native"])]
 PROMPTS = ALL_PROMPTS[:6]
 BATCHED_NPL = (1, 2, 4, 8)
 # With --context N, a system message of these sentences, repeated in turn, brings each chat
@@ -235,7 +264,10 @@ def llama_cpp() -> tuple[Path, dict[str, Any]]:
         if folder is None:
             sys.exit(f"vs_llamacpp: LLAMA_CPP_DIR={given} has no {', '.join(BINARIES)}")
         return folder, {"source": f"LLAMA_CPP_DIR={given}"}
-    final = cache_root() / "llama.cpp" / SDIST_VERSION
+    if BUILD not in BUILDS:
+        sys.exit(f"vs_llamacpp: LLAMA_CPP_BUILD={BUILD}: not one of {', '.join(BUILDS)}")
+    suffix = "" if BUILD == "native" else f"-{BUILD}"
+    final = cache_root() / "llama.cpp" / f"{SDIST_VERSION}{suffix}"
 
     def complete(path: Path) -> bool:
         return (path / "info.json").is_file() and find_binaries(path) is not None
@@ -245,7 +277,7 @@ def llama_cpp() -> tuple[Path, dict[str, Any]]:
         say(f"no llama.cpp build cached in {final}: building it once")
     atomic_directory(final, build_llama_cpp, is_complete=complete)
     info = json.loads((final / "info.json").read_text(encoding="utf-8"))
-    if info.get("built_on") != cpu_features():  # GGML_NATIVE: built for the CPU it was built on
+    if BUILD == "native" and info.get("built_on") != cpu_features():  # for the CPU it was built on
         say(
             f"warning: {final} was built on another CPU ({info.get('built_on')}) for its "
             "instruction set (GGML_NATIVE); delete it to build again for this one"
@@ -611,7 +643,10 @@ def describe_machine(
 ) -> str:
     record = rounds[0]["llama.cpp"]["raw"][0]  # llama-bench's own build_commit and build_number
     commit = llama_info.get("commit") or record.get("build_commit")
-    version = f"{llama_info['source']}, commit {commit}, build {record.get('build_number')}"
+    version = (
+        f"{llama_info['source']}, commit {commit}, build {record.get('build_number')}, "
+        f"{BUILD} build ({' '.join(f for f in llama_info.get('cmake_flags', []) if 'GGML' in f)})"
+    )
     runtimes = ", ".join(f"{name} ({gen.weight_format})" for name, gen in gens.items())
     dtype = str(next(iter(gens.values())).verifier.dtype).removeprefix("torch.")
     return (
