@@ -304,3 +304,50 @@ def test_a_generator_on_blocks_says_what_it_computes_on(tmp_path):
     assert gguf_location(tmp_path, None) == (tmp_path, None)
     assert gguf_source(tmp_path, "model.Q4_1.gguf") == file
     assert gguf_source(tmp_path, None) is None  # no file named by a cache marker
+
+
+AVX2_BUILD = """
+import sys
+import torch
+from caddtree.models import kernels
+kernels._variant = lambda: kernels._AVX2  # this CPU may have AVX-512: build the AVX2 kernels
+from caddtree.models.quantized import QuantLinear, quantized_kernel_available
+assert quantized_kernel_available() and kernels.kernel_variant() == "avx2"
+case = torch.load(sys.argv[1], weights_only=True)
+out = {"q": torch.ops.caddtree.quantize_input(case["x"])[0]}
+for kind in (2, 3, 8):
+    out[str(kind)] = QuantLinear(case[f"w{kind}"], kind, int(case["n"]), case["bias"])(case["x"])
+    out[f"{kind}-alone"] = QuantLinear(case[f"w{kind}"], kind, int(case["n"]))(case["x"][3:4])
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_the_avx2_build_computes_the_same_bits(tmp_path):
+    """The AVX2 kernel (built here whatever the CPU, in a process of its own) gives every format
+    the same bits as this CPU's build: the same quantized inputs and integer sums, the same float
+    steps."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(5)
+    n, k = 45, 160
+    case = {"x": torch.randn(13, k).bfloat16(), "n": torch.tensor(n), "bias": torch.randn(n)}
+    for kind in QUANT_KINDS.values():
+        case[f"w{kind}"] = pack_blocks(quantize(rng.standard_normal((n, k)), kind), kind)
+    torch.save(case, tmp_path / "case.pt")
+    script = tmp_path / "avx2.py"
+    script.write_text(AVX2_BUILD)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(theirs["q"], torch.ops.caddtree.quantize_input(case["x"])[0])
+    for kind in QUANT_KINDS.values():
+        ours = QuantLinear(case[f"w{kind}"], kind, n, case["bias"])(case["x"])
+        assert torch.equal(theirs[str(kind)], ours), kind
+        alone = QuantLinear(case[f"w{kind}"], kind, n)(case["x"][3:4])
+        assert torch.equal(theirs[f"{kind}-alone"], alone), kind

@@ -181,7 +181,7 @@ def quantized_blocks(path: Path | None, model: Any) -> dict[str, Any] | None:
     if not quantized_kernel_available():
         logger.warning(
             "%s runs de-quantized to bfloat16: caddtree's quantized kernel needs a CPU with "
-            "AVX512-BF16 and AVX512-VNNI and a C++ compiler",
+            "AVX2 or AVX512-BF16 and a C++ compiler",
             path.name,
         )
         return None

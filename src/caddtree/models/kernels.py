@@ -91,13 +91,22 @@ _AVX512_BF16 = _Variant(
         "round_bf16.h",
         "linear_bf16.cpp",
         "attention_bf16.cpp",
+        "linear_q_op.h",
         "linear_q.cpp",
     ),
     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"),
 )
 _AVX2 = _Variant(
     "avx2",
-    ("ops.cpp", "linear_op.h", "attention_op.h", "linear_avx2.cpp", "attention_avx2.cpp"),
+    (
+        "ops.cpp",
+        "linear_op.h",
+        "attention_op.h",
+        "linear_q_op.h",
+        "linear_avx2.cpp",
+        "attention_avx2.cpp",
+        "linear_q_avx2.cpp",
+    ),
     ("-mavx2", "-mfma", "-mf16c"),
 )
 

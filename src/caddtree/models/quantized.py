@@ -5,8 +5,8 @@ bits with a float16 scale (and, in Q4_1, a float16 minimum). :func:`pack_blocks`
 blocks out once for caddtree's kernel (``csrc/linear_q.cpp``; the bytes are the file's, reordered,
 plus nothing), and :class:`QuantLinear` multiplies bfloat16 rows by it without ever widening the
 weight: each row's inputs are quantized per block to int8 (as llama.cpp does), each block's dot
-product is an exact integer sum (AVX512-VNNI), and the float32 sums over blocks are rounded once
-to bfloat16. A row gets the same bits alone or among others, as with the bfloat16 kernel, so plain
+product is an exact integer sum (AVX512-VNNI; AVX2's byte products in the AVX2 build, to the
+same bits), and the float32 sums over blocks are rounded once to bfloat16. A row gets the same bits alone or among others, as with the bfloat16 kernel, so plain
 decoding and tree verification agree token for token.
 
 :func:`quantized_unsupported` says why a weight cannot be computed here; the caller then keeps
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .kernels import kernel_available, kernel_variant
+from .kernels import kernel_available
 
 __all__ = [
     "BLOCK",
@@ -63,13 +63,10 @@ def block_bytes(kind: int) -> int:
 
 @functools.cache
 def quantized_kernel_available() -> bool:
-    """Whether the quantized kernel runs here: the AVX512-BF16 build of caddtree's kernels (whose
-    CPUs all have AVX512-VNNI), built and probed."""
-    return (
-        kernel_variant() == "avx512-bf16"
-        and kernel_available()
-        and hasattr(torch.ops.caddtree, "linear_q")
-    )
+    """Whether the quantized kernel runs here: caddtree's kernels are built and probed (the
+    AVX512-BF16 build computes blocks with AVX512-VNNI, which all its CPUs have; the AVX2 build
+    with AVX2's byte products, to the same bits)."""
+    return kernel_available() and hasattr(torch.ops.caddtree, "linear_q")
 
 
 def quantized_unsupported(kind: int, shape: tuple[int, int]) -> str | None:
@@ -80,9 +77,7 @@ def quantized_unsupported(kind: int, shape: tuple[int, int]) -> str | None:
     if shape[1] % BLOCK:
         return f"its {shape[1]} input columns are not a whole number of {BLOCK}-column blocks"
     if not quantized_kernel_available():
-        return (
-            "the quantized kernel needs a CPU with AVX512-BF16 and AVX512-VNNI and a C++ compiler"
-        )
+        return "caddtree's kernels do not run here (they need AVX2 or AVX512-BF16, and g++)"
     return None
 
 

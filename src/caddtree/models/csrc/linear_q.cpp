@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include "linear_op.h"  // balanced_passes
+#include "linear_q_op.h"
 #include "round_bf16.h"
 
 #include <algorithm>
@@ -44,66 +45,27 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // columns per quantization block
-constexpr int64_t kGroup = 32;  // outputs per group of the packed layout
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml's type ids
+using namespace caddtree_q;
 
-// Bytes of one column block of one group of 32 outputs.
-constexpr int64_t block_bytes(int64_t kind) {
-  return 64 + (kind == kQ4_1 ? 64 : 0) + (kind == kQ8_0 ? 1024 : 512);
-}
-
-// The input rows quantized per block (see the header).
-struct Input {
-  std::vector<int8_t> q;   // [M, K]
-  std::vector<float> d;    // [M, K / 32] scales
-  std::vector<int32_t> s;  // [M, K / 32] sums of q
-  std::vector<float> ds;   // [M, K / 32] d * s, in float32
-};
-
-Input quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock;
-  Input in{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb),
-           std::vector<float>(M * nb)};
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = r * K + b * kBlock;
-      __m512 v[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + at + 16 * h));
-        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-      }
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-      const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum = 0;
-      for (int h = 0; h < 2; ++h) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(in.q.data() + at + 16 * h),
-                         _mm512_cvtsepi32_epi8(q));
-        sum += _mm512_reduce_add_epi32(q);
-      }
-      in.d[r * nb + b] = d;
-      in.s[r * nb + b] = sum;
-      in.ds[r * nb + b] = d * static_cast<float>(sum);
-    }
+// One block of 32 inputs quantized (see the header): its int8 values into q, (scale, sum).
+std::pair<float, int32_t> quantize_block(const c10::BFloat16* x, int8_t* q) {
+  __m512 v[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * h));
+    v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
-  return in;
+  const auto [d, id] =
+      block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))));
+  int32_t sum = 0;
+  for (int h = 0; h < 2; ++h) {
+    const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtsepi32_epi8(rounded));
+    sum += _mm512_reduce_add_epi32(rounded);
+  }
+  return {d, sum};
 }
 
-struct Problem {
-  const Input* in;
-  const uint8_t* w;   // [groups, K / 32, block_bytes]
-  const float* bias;  // [N] or null
-  c10::BFloat16* y;   // [M, N]
-  int64_t K, N;
-};
-
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(load4(p)); }
 
 // Rows m0 .. m0 + MB - 1 of the output, outputs o0 .. o0 + 31 (one group at wg). Each output's
 // integer sum of a block runs in C chains (two where there are too few rows to hide vpdpbusd's
@@ -201,66 +163,24 @@ constexpr std::array<Pass, sizeof...(I)> passes_of(std::integer_sequence<int, I.
 }
 
 template <int64_t Kind>
-void group(const Problem& p, const uint8_t* wg, int64_t M, int64_t o0) {
+void group_of(const Problem& p, const uint8_t* wg, int64_t M, int64_t o0) {
   static constexpr auto passes = passes_of<Kind>(std::make_integer_sequence<int, kMaxRows>{});
   caddtree_linear::balanced_passes(passes, p, wg, M, o0);
 }
 
-at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n,
-                    const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0,
-              "linear_q: block format ", kind, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_q: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_q: bfloat16 input expected");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
-                  w.size(2) == block_bytes(kind),
-              "linear_q: the weight must be packed by caddtree.models.quantized.pack_blocks");
-  const int64_t K = w.size(1) * kBlock, groups = w.size(0);
-  TORCH_CHECK(n > (groups - 1) * kGroup && n <= groups * kGroup, "linear_q: ", n,
-              " outputs do not fit a weight packed for ", groups * kGroup);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_q: input has ", x.size(-1),
-              " features, the weight takes ", K);
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0);
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "linear_q: bias has ", bias->numel(), " values, not ", n);
-    bias32 = bias->to(at::kFloat).contiguous();
+struct Kernel {
+  static std::pair<float, int32_t> quantize(const c10::BFloat16* x, int8_t* q) {
+    return quantize_block(x, q);
   }
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M > 0) {
-    const Input in = quantize_rows(rows.const_data_ptr<c10::BFloat16>(), M, K);
-    const Problem p{&in, w.const_data_ptr<uint8_t>(),
-                    bias32.defined() ? bias32.const_data_ptr<float>() : nullptr,
-                    y.mutable_data_ptr<c10::BFloat16>(), K, n};
-    const auto run = kind == kQ4_0 ? &group<kQ4_0> : kind == kQ4_1 ? &group<kQ4_1> : &group<kQ8_0>;
-    const int64_t stride = w.size(1) * block_bytes(kind);
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) run(p, p.w + g * stride, M, g * kGroup);
-    });
+  template <int64_t Kind>
+  static void group(const Problem& p, const uint8_t* wg, int64_t M, int64_t o0) {
+    group_of<Kind>(p, wg, M, o0);
   }
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = n;
-  return y.view(sizes);
-}
-
-// The input quantization alone, for tests: (q int8 [M, K], d float32 [M, K / 32]).
-std::tuple<at::Tensor, at::Tensor> quantize_input(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % kBlock == 0,
-              "quantize_input: bfloat16 [M, K] with K a multiple of 32 expected");
-  const at::Tensor rows = x.contiguous();
-  const int64_t M = rows.size(0), K = rows.size(1);
-  const Input in = quantize_rows(rows.const_data_ptr<c10::BFloat16>(), M, K);
-  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
-  std::copy(in.q.begin(), in.q.end(), q.mutable_data_ptr<int8_t>());
-  std::copy(in.d.begin(), in.d.end(), d.mutable_data_ptr<float>());
-  return {q, d};
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
-  m.impl("linear_q", &linear_q);
-  m.impl("quantize_input", &quantize_input);
+  m.impl("linear_q", &linear_q<Kernel>);
+  m.impl("quantize_input", &quantize_input<Kernel>);
 }

@@ -9,7 +9,7 @@ TORCH_LIBRARY(caddtree, m) {
   m.def(
       "tree_attention_batch(Tensor q, Tensor keys, Tensor values, Tensor mask, Tensor seqs, "
       "float scale) -> Tensor");
-  // GGUF block formats (linear_q.cpp, AVX512-BF16 build only): kind is ggml's type id
+  // GGUF block formats (linear_q.cpp; linear_q_avx2.cpp): kind is ggml's type id
   m.def("linear_q(Tensor x, Tensor w, int kind, int n, Tensor? bias=None) -> Tensor");
   m.def("quantize_input(Tensor x) -> (Tensor, Tensor)");
 }

@@ -1,0 +1,179 @@
+// caddtree::linear_q for CPUs with AVX2 but no AVX512-BF16 (built instead of linear_q.cpp there):
+// the same operator, packed layout and numbers as linear_q.cpp, whose header gives the
+// arithmetic. The input rows are quantized per block exactly as there (the same integers and
+// scales), and each output's float32 sum takes the same steps in the same order, block after
+// block, so a row's result is the same bits alone or among others, as on AVX-512.
+//
+// Without vpdpbusd, a block's integer dot products come from vpmaddubsw (unsigned bytes times
+// signed bytes, adjacent pairs added to int16) and vpmaddwd against ones (pairs of those added to
+// int32): one int32 lane per output again. Q4's nibbles times int8 inputs stay far below int16's
+// range; a Q8_0 weight is taken as a signed byte, its magnitude times the input with the weight's
+// sign (vpabsb, vpsignb), so the sum is sum(w * q) directly and needs no offset. A 256-bit load
+// holds 8 outputs' 4 bytes, half of one of linear_q.cpp's 64-byte loads; a pass covers 16
+// outputs (one half of the group) for up to 2 rows: their 8 sums and accumulators, the weights and
+// the broadcast inputs fit the 16 registers.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "linear_op.h"  // balanced_passes
+#include "linear_q_op.h"
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+using namespace caddtree_q;
+
+inline float max_abs_8(__m256 v) {
+  v = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// One block of 32 inputs quantized as linear_q.cpp's quantize_block: int8 values into q,
+// (scale, sum).
+std::pair<float, int32_t> quantize_block(const c10::BFloat16* x, int8_t* q) {
+  __m256 v[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * j));
+    v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  const auto [d, id] = block_scale(std::max(std::max(max_abs_8(v[0]), max_abs_8(v[1])),
+                                            std::max(max_abs_8(v[2]), max_abs_8(v[3]))));
+  int32_t rounded[kBlock];
+  for (int j = 0; j < 4; ++j) {  // to nearest even, as the AVX-512 build
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + 8 * j),
+                        _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id))));
+  }
+  int32_t sum = 0;
+  for (int64_t c = 0; c < kBlock; ++c) {
+    q[c] = static_cast<int8_t>(std::clamp(rounded[c], -128, 127));
+    sum += rounded[c];
+  }
+  return {d, sum};
+}
+
+inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(load4(p)); }
+
+// sum over each lane's 4 bytes of u * x (u unsigned, x signed), added to acc.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, x);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// The same with signed weight bytes w: |w| times x with w's sign.
+inline __m256i dot4_signed(__m256i acc, __m256i w, __m256i x) {
+  return dot4(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+
+// Rows m0 .. m0 + MB - 1, outputs o0 + 16 h .. o0 + 16 h + 15 (half h of the group at wg).
+template <int64_t Kind, int MB>
+void half_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0, int h) {
+  constexpr bool q4 = Kind != kQ8_0, with_min = Kind == kQ4_1;
+  constexpr int64_t bytes = block_bytes(Kind);
+  const int64_t nb = p.K / kBlock;
+  const Input& in = *p.in;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * bytes;
+    const uint8_t* ints = blk + (with_min ? 128 : 64);
+    __m256i sums[MB][2];
+    for (int i = 0; i < MB; ++i) sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 4; ++s) {
+      const int64_t col = b * kBlock + (q4 ? 4 * s : 8 * s), next = q4 ? 16 : 4;
+      for (int v = 0; v < 2; ++v) {  // outputs 8 v .. 8 v + 7 of the half
+        __m256i first, second;
+        if constexpr (q4) {
+          const __m256i u = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(ints + (h * 4 + s) * 64 + 32 * v));
+          first = _mm256_and_si256(u, low);
+          second = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+        } else {  // stored as q + 128: flip the top bit back to the signed byte
+          const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80));
+          first = _mm256_xor_si256(top, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                            ints + (h * 8 + 2 * s) * 64 + 32 * v)));
+          second = _mm256_xor_si256(top, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             ints + (h * 8 + 2 * s + 1) * 64 + 32 * v)));
+        }
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
+          if constexpr (q4) {
+            sums[i][v] = dot4(dot4(sums[i][v], first, broadcast4(xq)), second, broadcast4(xq + next));
+          } else {
+            sums[i][v] = dot4_signed(dot4_signed(sums[i][v], first, broadcast4(xq)), second,
+                                     broadcast4(xq + next));
+          }
+        }
+      }
+    }
+    for (int v = 0; v < 2; ++v) {
+      const int64_t at = 32 * h + 16 * v;  // bytes of this vector's 8 scales
+      const __m256 dw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at)));
+      for (int i = 0; i < MB; ++i) {
+        const int64_t row_block = (m0 + i) * nb + b;
+        __m256i total = sums[i][v];
+        if constexpr (Kind == kQ4_0) {
+          total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * in.s[row_block]));
+        }
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(in.d[row_block]));
+        acc[i][v] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc[i][v]);
+        if constexpr (with_min) {
+          const __m256 mw =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + at)));
+          acc[i][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(in.ds[row_block]), acc[i][v]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[i][0]);
+    _mm256_store_ps(out + 8, acc[i][1]);
+    const int64_t first = o0 + 16 * h;
+    c10::BFloat16* y = p.y + (m0 + i) * p.N + first;
+    for (int64_t c = 0; c < 16 && first + c < p.N; ++c) {
+      y[c] = c10::BFloat16(p.bias ? out[c] + p.bias[first + c] : out[c]);
+    }
+  }
+}
+
+template <int64_t Kind, int MB>
+struct Rows {
+  static void run(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
+    half_rows<Kind, MB>(p, wg, m0, o0, 0);
+    if (o0 + 16 < p.N) half_rows<Kind, MB>(p, wg, m0, o0, 1);
+  }
+};
+
+using Pass = void (*)(const Problem&, const uint8_t*, int64_t, int64_t);
+
+struct Kernel {
+  static std::pair<float, int32_t> quantize(const c10::BFloat16* x, int8_t* q) {
+    return quantize_block(x, q);
+  }
+  template <int64_t Kind>
+  static void group(const Problem& p, const uint8_t* wg, int64_t M, int64_t o0) {
+    static constexpr std::array<Pass, 2> passes = {&Rows<Kind, 1>::run, &Rows<Kind, 2>::run};
+    caddtree_linear::balanced_passes(passes, p, wg, M, o0);
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
+  m.impl("linear_q", &linear_q<Kernel>);
+  m.impl("quantize_input", &quantize_input<Kernel>);
+}
