@@ -253,6 +253,9 @@ def _bench_meta(args: Any, gen: Any, needs_draft: bool) -> dict[str, Any]:
         # linear layers packed for oneDNN (caddtree.models.packing): they change every timing
         "packed_layers": gen.packed_layers,
         "runtime": gen.runtime,
+        # what the linear layers computed on (a GGUF's blocks, or the dtype's own weights);
+        # AR in another dtype (ar-float32) runs the weights widened to it
+        "weights": gen.weight_format,
         "cost_model": args.cost_model or "profiled on this machine (cached)",
         "command": shlex.join(["caddtree", "bench", *sys.argv[2:]])
         if len(sys.argv) > 1 and sys.argv[1] == "bench"

@@ -200,6 +200,7 @@ RUN_KEYS = (
     "cost_model_digest",
     "packed_layers",
     "runtime",
+    "weights",
 )
 """The settings in ``results.meta.json`` that change the measurements: a resumed run must match
 the earlier one in these."""
