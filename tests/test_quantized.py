@@ -31,7 +31,7 @@ from tiny_models import FEATURE_LAYER_IDS, llama_target, new_drafter, qwen3_targ
 
 pytestmark = pytest.mark.skipif(
     not quantized_kernel_available(),
-    reason="the quantized kernel needs AVX512-BF16 and AVX512-VNNI, and g++",
+    reason="the quantized kernel needs caddtree's kernels (AVX512-BF16 or AVX2, and g++)",
 )
 
 PROJECTIONS = (
@@ -209,9 +209,10 @@ def permute_for_ggml(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def write_gguf(path, model, kind: int, arch: str = "llama") -> None:
+def write_gguf(path, model, kind: int, arch: str = "llama", tied: bool = False) -> None:
     """``model``'s linear weights as a GGUF of ``arch`` with ``kind`` blocks (q and k permuted as
-    llama.cpp writes Llama files), norms in float32, and no output tensor where the head is tied."""
+    llama.cpp writes Llama files; Qwen3 files as they are), norms in float32, and the head as
+    ``output.weight``, or (``tied``) as ``token_embd.weight`` with no output tensor."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
@@ -221,7 +222,7 @@ def write_gguf(path, model, kind: int, arch: str = "llama") -> None:
     for i, layer in enumerate(model.model.layers):
         for name, index in files.items():
             weight = layer.get_submodule(PROJECTIONS[index]).weight.detach().float().numpy()
-            if name in ("attn_q", "attn_k"):
+            if name in ("attn_q", "attn_k") and arch == "llama":
                 heads = (
                     config.num_attention_heads if name == "attn_q" else config.num_key_value_heads
                 )
@@ -230,23 +231,44 @@ def write_gguf(path, model, kind: int, arch: str = "llama") -> None:
             writer.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=GGMLQuantizationType(kind))
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(config.hidden_size, np.float32))
     head = quantize(model.lm_head.weight.detach().float().numpy(), kind)
-    writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType(kind))
+    name = "token_embd.weight" if tied else "output.weight"
+    writer.add_tensor(name, head, raw_dtype=GGMLQuantizationType(kind))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def test_blocks_read_from_a_gguf_file_are_the_models_weights(tmp_path):
-    model, blocks = quantized_model(llama_target(num_key_value_heads=2), 8)
+@pytest.mark.parametrize(
+    ("arch", "tied"), [("llama", False), ("llama", True), ("qwen3", False)], ids=str
+)
+def test_blocks_read_from_a_gguf_file_are_the_models_weights(tmp_path, arch, tied):
+    target = llama_target(num_key_value_heads=2) if arch == "llama" else qwen3_target()
+    model, blocks = quantized_model(target, 8)
     path = tmp_path / "tiny.gguf"
-    write_gguf(path, model, 8)
+    write_gguf(path, model, 8, arch=arch, tied=tied)
     read = read_blocks(path)
     assert set(read) == set(blocks)
     for name, block in blocks.items():
         assert read[name].kind == 8 and read[name].shape == block.shape
         assert np.array_equal(read[name].raw, block.raw), name  # q and k back in model order
     check_blocks(read, model)
+
+
+def test_a_wrong_head_count_is_caught_by_the_check(tmp_path):
+    """q's first rows come from head 0 whatever head count un-permutes them; its last rows show a
+    wrong one."""
+    model, blocks = quantized_model(llama_target(num_key_value_heads=2), 8)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, 8)
+    read = read_blocks(path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    from caddtree.models.gguf_blocks import _unpermute
+
+    raw = permute_for_ggml(blocks[name].raw, 2)
+    read[name] = read[name]._replace(raw=_unpermute(raw, 1))
+    with pytest.raises(CheckpointError, match="q_proj.weight does not hold"):
+        check_blocks(read, model)
 
 
 def test_files_that_are_not_the_models_or_not_computable_are_refused(tmp_path):
@@ -405,3 +427,31 @@ def test_sampling_on_quantized_weights_keeps_the_runtimes_distribution():
     for k, p in enumerate([p1, p2, p3]):
         assert (p.numpy() * n >= 5).sum() >= 5, k
         assert chi_square_pvalue(counts[k], p.numpy()) > 1e-3, f"token {k + 1}"
+
+
+def test_non_finite_inputs_give_non_finite_outputs_in_their_row_only():
+    raw = quantize(np.random.default_rng(0).standard_normal((40, 64)), 3)
+    linear = QuantLinear(pack_blocks(raw, 3), 3, 40)
+    x = torch.randn(3, 64).bfloat16()
+    clean = linear(x)
+    x[1, 5], x[2, 40] = float("nan"), float("inf")
+    out = linear(x)
+    assert torch.equal(out[0], clean[0])
+    assert out[1].isnan().all() and out[2].isnan().all()
+
+
+def test_the_compiled_runtime_on_blocks_equals_plain_decoding(quantized):
+    """The runtime ``auto`` picks: the lean layers compiled by inductor, on the file's blocks."""
+    model, blocks, drafter = quantized
+    compiled = partial(LeanVerifier, compile="on", blocks=blocks, progress=False)
+    prompt = PROMPTS[0]
+    results = [
+        decode_with(model, prompt, m, k, DFlashProposer(drafter, model), 20, verifier_type=compiled)
+        for m, k in (("ar", {}), ("ddtree", {"budget": 16}))
+    ]
+    assert results[0].token_ids == results[1].token_ids
+    eager = partial(LeanVerifier, compile="off", blocks=blocks)
+    alone = decode_with(
+        model, prompt, "ar", {}, DFlashProposer(drafter, model), 20, verifier_type=eager
+    )
+    assert len(alone.token_ids) == 20  # the eager layers may part at near-ties (other kernels)

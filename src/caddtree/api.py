@@ -32,6 +32,7 @@ from .engine.decoding import (
 from .engine.requests import GenerationRequest
 from .engine.tokens import chat_template_ids, eos_token_ids, stop_string_criterion
 from .models.gguf_blocks import gguf_location, gguf_source, quantized_blocks
+from .models.lean import lean_unsupported
 from .util.checks import (
     chat_messages,
     check_chat_template_kwargs,
@@ -183,6 +184,8 @@ class SpeculativeGenerator:
         # runtime still calls the LM head, and the proposer its (draft-vocabulary) head.
         head = self.proposer.lm_head if self.proposer is not None else None
         own = self.target if self.runtime == "transformers" else self.target.lm_head
+        if getattr(getattr(self.verifier, "target", None), "head", None) is not None:
+            own = None  # the runtime's head runs on a file's blocks
         self.packed_layers = (
             pack_linear_layers(own, head)
             + self.verifier.packed_layers()
@@ -245,7 +248,10 @@ class SpeculativeGenerator:
         A target read from a GGUF file (``gguf_file``, or the built-in one) keeps its quantized
         weights on the lean runtimes in bfloat16 on CPUs whose kernels compute them
         (:mod:`caddtree.models.quantized`: Q4_0, Q4_1, Q8_0); ``dequantize`` runs them as
-        bfloat16 instead; ``dtype="auto"`` is bfloat16 for such a target on the CPU.
+        bfloat16 instead; ``dtype="auto"`` is bfloat16 for such a target on the CPU. The loaded
+        model's own copies of the weights that run on blocks are then freed: ``gen.target`` keeps
+        the model's configuration, embeddings, norms and head, and its forward runs only through
+        ``gen.verifier``.
         ``weight_format`` says which ran."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -295,7 +301,7 @@ class SpeculativeGenerator:
             drafter = DFlashDraftModel.from_pretrained(draft, dtype=torch_dtype).to(dev)
         model = model.to(dev)
         blocks = None
-        if not dequantize and runtime != "transformers":
+        if not dequantize and runtime != "transformers" and lean_unsupported(model) is None:
             blocks = quantized_blocks(gguf_source(target, gguf_file), model)  # or None
         gen = cls(
             model,

@@ -309,6 +309,8 @@ def _check_meta(out: Path, meta: dict[str, Any], resume: bool) -> None:
             f"{path} cannot be read ({exc}), so the results in {out} cannot be checked against "
             "this run's settings; restore the file, or pass --no-resume to start over"
         ) from None
+    if "weights" not in old and "dtype" in old:  # runs before weight formats were recorded
+        old = {**old, "weights": str(old["dtype"]).removeprefix("torch.")}
     # an AR-only run has no drafter: adding drafting methods to it later is fine
     diff = [
         k

@@ -91,7 +91,10 @@ def read_blocks(path: str | os.PathLike[str]) -> dict[str, Blocks]:
             f"{path}: its architecture {arch!r} is not one caddtree computes on quantized blocks "
             f"({', '.join(_ARCHITECTURES)}); pass --dequantize to run it in bfloat16"
         )
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    heads = _field(reader, f"{arch}.attention.head_count")
+    if heads is None:
+        raise CheckpointError(f"{path}: no {arch}.attention.head_count in the file's metadata")
+    heads = int(heads)
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
     out: dict[str, Blocks] = {}
     tensors = {t.name: t for t in reader.tensors}
@@ -114,8 +117,10 @@ def read_blocks(path: str | os.PathLike[str]) -> dict[str, Blocks]:
 
 def check_blocks(blocks: dict[str, Blocks], model: Any, rows: int = 4) -> None:
     """Refuse (:class:`~caddtree.util.errors.CheckpointError`) blocks that are not ``model``'s
-    weights: every linear weight of the model must be there, of its shape, and its first ``rows``
-    rows, de-quantized, must round to the model's values in the model's dtype."""
+    weights: every linear weight of the model must be there, of its shape, and its first and last
+    ``rows`` rows and 17 rows spread over it (rows of every part of a q or k weight, which a wrong
+    head count would un-permute wrongly), de-quantized, must round to the model's values in the
+    model's dtype."""
     import gguf
 
     for name, weight in _linear_weights(model):
@@ -126,9 +131,12 @@ def check_blocks(blocks: dict[str, Blocks], model: Any, rows: int = 4) -> None:
             raise CheckpointError(
                 f"the GGUF tensor for {name} is {list(block.shape)}, the model's {list(weight.shape)}"
             )
-        head = gguf.quants.dequantize(block.raw[:rows], gguf.GGMLQuantizationType(block.kind))
-        expected = weight[:rows].detach().to("cpu", torch.float32)
-        if not torch.equal(torch.from_numpy(head).to(weight.dtype).float(), expected):
+        count = len(block.raw)
+        spread = np.linspace(0, count - 1, 17).astype(int)  # every head of a q or k weight
+        picked = sorted({*range(min(rows, count)), *range(max(count - rows, 0), count), *spread})
+        values = gguf.quants.dequantize(block.raw[picked], gguf.GGMLQuantizationType(block.kind))
+        expected = weight[picked].detach().to("cpu", torch.float32)
+        if not torch.equal(torch.from_numpy(values).to(weight.dtype).float(), expected):
             raise CheckpointError(
                 f"the GGUF tensor for {name} does not hold the model's weights (its first rows "
                 "differ); load the model from the same file"
@@ -171,7 +179,8 @@ def gguf_source(target: str | os.PathLike[str], gguf_file: str | None) -> Path |
 
 def quantized_blocks(path: Path | None, model: Any) -> dict[str, Any] | None:
     """The quantized weights of the GGUF at ``path`` for ``model`` (checked against it), where
-    caddtree's kernel computes them here: a bfloat16 model on a CPU with the AVX512 kernels.
+    caddtree's kernel computes them here: a bfloat16 model on a CPU where caddtree's kernels run
+    (AVX512-BF16 or AVX2).
     Elsewhere ``None``, with a note of why (the model then runs de-quantized)."""
     from .quantized import QUANT_KINDS, kind_name, quantized_kernel_available
 

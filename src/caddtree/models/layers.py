@@ -99,15 +99,16 @@ def quantized_linear(
 def weight_format(
     layers: Sequence[LayerWeights], head: QuantLinear | None, dtype: torch.dtype
 ) -> str:
-    """What the linear layers compute on: ``"bfloat16"`` (the dtype's name) where none is
-    quantized, the block type's name where all are (``"Q4_1"``), else the names of the mix
-    (``"Q4_K+Q6_K+bfloat16"``), the head's included."""
+    """What the linear layers and the head compute on: ``"bfloat16"`` (the dtype's name) where
+    none is quantized, the block type's name where all are (``"Q8_0"``), else the names of the mix
+    (``"Q4_1+Q8_0"``: the built-in file's Q8_0 head; ``"Q4_0+bfloat16"``: a head the kernel does not
+    take, run in the model's dtype)."""
     linears = [
         linear for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
     names = {
         kind_name(linear.kind) if isinstance(linear, QuantLinear) else str(dtype).split(".")[-1]
-        for linear in (*linears, *([head] if head is not None else []))
+        for linear in (*linears, head)
     }
     return "+".join(sorted(names))
 

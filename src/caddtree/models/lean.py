@@ -49,6 +49,7 @@ from ..core.tree import DraftTree
 from ..util.errors import InvalidInputError
 from .kernels import attention_fits, kernel_in_use, tree_attention, tree_attention_batch
 from .layers import (
+    Linear,
     Shape,
     decoder_layer,
     layer_weights,
@@ -524,7 +525,7 @@ class LeanVerifier(TreeVerifier):
 
     def packed_layers(self) -> int:
         return sum(
-            linear.packed is not None
+            isinstance(linear, Linear) and linear.packed is not None
             for layer in self.target.layers
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )

@@ -54,13 +54,17 @@ std::pair<float, int32_t> quantize_block(const c10::BFloat16* x, int8_t* q) {
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * h));
     v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
-  const auto [d, id] =
-      block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))));
+  const bool nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
+                   _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+  const auto [d, id] = block_scale(nan ? std::numeric_limits<float>::quiet_NaN() : amax);
   int32_t sum = 0;
   for (int h = 0; h < 2; ++h) {
     const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtsepi32_epi8(rounded));
-    sum += _mm512_reduce_add_epi32(rounded);
+    // the int8 values' sum (the same as the rounded values' for any finite block)
+    sum += _mm512_reduce_add_epi32(
+        _mm512_max_epi32(_mm512_min_epi32(rounded, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128)));
   }
   return {d, sum};
 }

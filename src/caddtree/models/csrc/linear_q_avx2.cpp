@@ -48,8 +48,11 @@ std::pair<float, int32_t> quantize_block(const c10::BFloat16* x, int8_t* q) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * j));
     v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
-  const auto [d, id] = block_scale(std::max(std::max(max_abs_8(v[0]), max_abs_8(v[1])),
-                                            std::max(max_abs_8(v[2]), max_abs_8(v[3]))));
+  int nan = 0;
+  for (int j = 0; j < 4; ++j) nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+  const float amax = std::max(std::max(max_abs_8(v[0]), max_abs_8(v[1])),
+                              std::max(max_abs_8(v[2]), max_abs_8(v[3])));
+  const auto [d, id] = block_scale(nan ? std::numeric_limits<float>::quiet_NaN() : amax);
   int32_t rounded[kBlock];
   for (int j = 0; j < 4; ++j) {  // to nearest even, as the AVX-512 build
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + 8 * j),
@@ -58,7 +61,7 @@ std::pair<float, int32_t> quantize_block(const c10::BFloat16* x, int8_t* q) {
   int32_t sum = 0;
   for (int64_t c = 0; c < kBlock; ++c) {
     q[c] = static_cast<int8_t>(std::clamp(rounded[c], -128, 127));
-    sum += rounded[c];
+    sum += q[c];
   }
   return {d, sum};
 }

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -50,10 +51,15 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// A block's scale d = max|x| / 127 and its inverse (0 for an all-zero block).
+// A block's scale d = max|x| / 127 and its inverse (0 for an all-zero block). A block holding
+// NaN or infinity gets scale NaN (its outputs are NaN, as the bfloat16 kernel's would be) and
+// integers 0; one of denormal size, integers no larger than an int8 holds.
 inline std::pair<float, float> block_scale(float amax) {
+  if (!(amax <= std::numeric_limits<float>::max())) {
+    return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  }
   const float d = amax / 127.0f;
-  return {d, d != 0.0f ? 1.0f / d : 0.0f};
+  return {d, d != 0.0f ? std::min(1.0f / d, std::numeric_limits<float>::max()) : 0.0f};
 }
 
 // Every row's blocks quantized by block(x, q) -> (d, sum(q)), which writes the block's 32 int8.
