@@ -8,6 +8,8 @@ allow, and the exact distribution of sampled tokens (chi-square).
   on a target sharp enough that they cut something.
 * :func:`marginal_target`, :data:`MARGINAL_PROMPT`, :data:`MARGINAL_SETTINGS`,
   :func:`assert_three_token_marginals` - the distribution check of three sampled tokens.
+* :func:`ddtree_first_tokens`, :func:`assert_first_token_marginals` - sampled DDTree walks over
+  the target's own marginals, and the chi-square check of their first three tokens.
 * :func:`char_stop` - a stop string the output of a tiny model really contains.
 """
 
@@ -108,6 +110,43 @@ def chi_square_pvalue(counts, probs):
         observed = np.append(observed, counts[~big].sum())
         wanted = np.append(wanted, expected[~big].sum())
     return chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue
+
+
+def ddtree_first_tokens(model, prompt, samples, verifier_type, seed):
+    """``(counts, accepted)``: ``counts[k, t]``, how often token ``k + 1`` of ``samples``
+    generations at temperature 1 (seeds ``seed``, ``seed + 1``, ...) was ``t``, each walking a
+    DDTree of 12 nodes built from the target's own marginals (an oracle drafter, blocks of 3) on
+    ``verifier_type``; ``accepted``, the draft tokens their first rounds accepted."""
+    from caddtree.core.sampling import Sampler
+    from oracle import OracleProposer, decode_with
+
+    counts = np.zeros((3, model.config.vocab_size))
+    accepted = 0
+    for i in range(samples):
+        proposer = OracleProposer(model, prompt, block_size=3, mode="target")
+        result = decode_with(
+            model,
+            prompt,
+            "ddtree",
+            {"budget": 12},
+            proposer,
+            4,
+            verifier_type=verifier_type,
+            sampler=Sampler(1.0, seed=seed + i),
+        )
+        for k, tok in enumerate(result.token_ids[:3]):
+            counts[k, tok] += 1
+        accepted += result.stats.per_round[0].accepted
+    return counts, accepted
+
+
+def assert_first_token_marginals(counts, exact):
+    """Each of the first three tokens' counts fits its exact marginal in ``exact``, chi-square
+    at alpha = 1e-3, where at least 5 tokens expect 5 samples or more."""
+    samples = counts[0].sum()
+    for k, p in enumerate(exact):
+        assert (p.numpy() * samples >= 5).sum() >= 5, k
+        assert chi_square_pvalue(counts[k], p.numpy()) > 1e-3, f"token {k + 1}"
 
 
 def assert_three_token_marginals(model, prompt, counts, reference):

@@ -379,32 +379,14 @@ def test_sampling_on_quantized_weights_keeps_the_runtimes_distribution():
     """At temperature 1 the first three tokens are distributed as the quantized runtime's own
     next-token distributions say (the target a user runs is the file's blocks): a DDTree walk on
     them, chi-square per token at alpha = 1e-3 (as tests/test_decoding.py does for float64)."""
-    from caddtree.core.sampling import Sampler
     from caddtree.core.tree import build_ddtree
-    from sampling_checks import chi_square_pvalue, sharp_qwen3
-    from test_decoding import run
+    from sampling_checks import assert_first_token_marginals, ddtree_first_tokens, sharp_qwen3
     from tiny_models import VOCAB
 
     model, blocks = quantized_model(sharp_qwen3(), 8)
     verifier_type = partial(LeanVerifier, compile="off", blocks=blocks)
     prompt, n = [5, 17, 3], 800
-    counts = np.zeros((3, VOCAB))
-    accepted = 0
-    for i in range(n):
-        proposer = OracleProposer(model, prompt, block_size=3, mode="target")
-        result = run(
-            model,
-            prompt,
-            "ddtree",
-            {"budget": 12},
-            proposer,
-            4,
-            sampler=Sampler(1.0, seed=2000 + i),
-            verifier_type=verifier_type,
-        )
-        for k, tok in enumerate(result.token_ids[:3]):
-            counts[k, tok] += 1
-        accepted += result.stats.per_round[0].accepted
+    counts, accepted = ddtree_first_tokens(model, prompt, n, verifier_type, seed=2000)
     assert accepted > n // 4  # the tree walk is really exercised
 
     # the exact marginals from the runtime itself: after the prompt, then for every first token
@@ -424,9 +406,7 @@ def test_sampling_on_quantized_weights_keeps_the_runtimes_distribution():
         p3_given[a, order] = torch.softmax(logits[1:], -1)
     p2 = p1 @ p2_given
     p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
-    for k, p in enumerate([p1, p2, p3]):
-        assert (p.numpy() * n >= 5).sum() >= 5, k
-        assert chi_square_pvalue(counts[k], p.numpy()) > 1e-3, f"token {k + 1}"
+    assert_first_token_marginals(counts, [p1, p2, p3])
 
 
 def test_non_finite_inputs_give_non_finite_outputs_in_their_row_only():
