@@ -32,7 +32,6 @@ from .engine.decoding import (
 from .engine.requests import GenerationRequest
 from .engine.tokens import chat_template_ids, eos_token_ids, stop_string_criterion
 from .models.gguf_blocks import gguf_location, gguf_source, quantized_blocks
-from .models.lean import lean_unsupported
 from .util.checks import (
     chat_messages,
     check_chat_template_kwargs,
@@ -258,6 +257,7 @@ class SpeculativeGenerator:
         from .models.attention import preferred_attention
         from .models.checkpoints import check_model_location, checkpoint_errors
         from .models.dflash import DFLASH_ARCHITECTURE, DFlashDraftModel
+        from .models.lean import lean_unsupported
 
         check_int("context_window", context_window, minimum=2, allow_none=True)  # before loading
         check_runtime(runtime)

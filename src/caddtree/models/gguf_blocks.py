@@ -138,7 +138,7 @@ def check_blocks(blocks: dict[str, Blocks], model: Any, rows: int = 4) -> None:
         expected = weight[picked].detach().to("cpu", torch.float32)
         if not torch.equal(torch.from_numpy(values).to(weight.dtype).float(), expected):
             raise CheckpointError(
-                f"the GGUF tensor for {name} does not hold the model's weights (its first rows "
+                f"the GGUF tensor for {name} does not hold the model's weights (rows of it "
                 "differ); load the model from the same file"
             )
 
