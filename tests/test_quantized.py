@@ -5,6 +5,7 @@ quantized weights; reading blocks from a GGUF file, and its errors."""
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import gguf
@@ -17,14 +18,18 @@ from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
 from caddtree.models import DFlashProposer
 from caddtree.models.gguf_blocks import Blocks, check_blocks, read_blocks
+from caddtree.models.layers import FUSED_LINEARS
 from caddtree.models.lean import LeanTarget, LeanVerifier
 from caddtree.models.quantized import (
     QUANT_KINDS,
     QuantLinear,
+    QuantStack,
+    kind_name,
     pack_blocks,
     quantized_kernel_available,
 )
 from caddtree.util.errors import CheckpointError
+from kquants import SUPER, quantize_k
 from oracle import OracleProposer, decode_with
 from test_decoding import POLICIES, PROMPTS
 from tiny_models import FEATURE_LAYER_IDS, llama_target, new_drafter, qwen3_target
@@ -46,7 +51,15 @@ PROJECTIONS = (
 
 
 def quantize(weight: np.ndarray, kind: int) -> np.ndarray:
+    if kind_name(kind).endswith("_K"):  # the gguf package reads these but does not write them
+        return quantize_k(weight, kind_name(kind))
     return gguf.quants.quantize(weight.astype(np.float32), GGMLQuantizationType(kind))
+
+
+def whole_blocks(k: int, kind: int) -> int:
+    """``k`` rounded up to whole blocks of ``kind`` (the K formats' super-blocks of 256)."""
+    columns = SUPER if kind_name(kind).endswith("_K") else 32
+    return -(-k // columns) * columns
 
 
 def dequantize(raw: np.ndarray, kind: int) -> np.ndarray:
@@ -68,6 +81,7 @@ def quantized_input(x: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize(("n", "k"), [(45, 96), (64, 32), (100, 1536), (33, 576), (1, 160)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_the_kernel_computes_the_product_of_the_blocks(kind, n, k, rows):
+    k = whole_blocks(k, kind)
     rng = np.random.default_rng(n * k + rows)
     raw = quantize(rng.standard_normal((n, k)), kind)
     weight = dequantize(raw, kind).astype(np.float64)  # the gguf package's reading of the blocks
@@ -95,9 +109,9 @@ def test_the_input_is_quantized_as_written():
 @pytest.mark.parametrize("kind", QUANT_KINDS.values(), ids=QUANT_KINDS.keys())
 def test_a_row_gives_the_same_bits_alone_or_among_others(kind):
     rng = np.random.default_rng(kind)
-    raw = quantize(rng.standard_normal((200, 576)), kind)
+    raw = quantize(rng.standard_normal((200, 768)), kind)
     linear = QuantLinear(pack_blocks(raw, kind), kind, 200)
-    x = torch.randn(64, 576).bfloat16()
+    x = torch.randn(64, 768).bfloat16()
     together = linear(x)
     for count in (1, 2, 5, 7, 13, 64):  # every pass size and split inside the kernel
         for start in range(0, 64, count):
@@ -121,37 +135,74 @@ def test_bad_inputs_get_clear_errors():
         pack_blocks(raw[:, :-1], 3)
 
 
-def quantized_model(model, kind: int):
-    """``model`` in bfloat16 with every linear weight replaced by its ``kind`` blocks' values, and
-    those blocks by parameter name (as :func:`read_blocks` gives a file's)."""
+WIDE = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 128}
+"""A tiny model whose every linear layer has whole 256-column super-blocks (the K formats)."""
+
+MIXES = {"Q4_K_M": (12, 14), "Q5_K_M": (13, 14)}
+"""Files of two types, as llama.cpp's Q4_K_M and Q5_K_M write them: most weights in the first,
+some v and down projections and the head in Q6_K (here those of even layers)."""
+
+
+def kind_of(kind: int | str, name: str) -> int:
+    """The type of weight ``name`` in a file of one type, or of a mix of :data:`MIXES`."""
+    if isinstance(kind, int):
+        return kind
+    most, more_bits = MIXES[kind]
+    layer = name.split(".")[2] if name.startswith("model.layers.") else None
+    wide = name == "lm_head" or (
+        layer is not None and int(layer) % 2 == 0 and name.endswith(("v_proj", "down_proj"))
+    )
+    return more_bits if wide else most
+
+
+def quantized_model(model, kind: int | str):
+    """``model`` in bfloat16 with every linear weight replaced by its blocks' values (of type
+    ``kind``, or as a mix of :data:`MIXES` types them), and those blocks by parameter name (as
+    :func:`read_blocks` gives a file's)."""
     model = model.to(torch.bfloat16)
     blocks = {}
     names = [f"model.layers.{i}.{p}" for i in range(len(model.model.layers)) for p in PROJECTIONS]
     with torch.no_grad():
         for name in [*names, "lm_head"]:
             module = model.get_submodule(name)
-            raw = quantize(module.weight.float().numpy(), kind)
-            module.weight.copy_(torch.from_numpy(dequantize(raw, kind)))
-            blocks[f"{name}.weight"] = Blocks(raw, kind, tuple(module.weight.shape))
+            part = kind_of(kind, name)
+            raw = quantize(module.weight.float().numpy(), part)
+            module.weight.copy_(torch.from_numpy(dequantize(raw, part)))
+            blocks[f"{name}.weight"] = Blocks(raw, part, tuple(module.weight.shape))
     check_blocks(blocks, model)
     return model, blocks
 
 
-@pytest.fixture(scope="module", params=list(QUANT_KINDS), ids=list(QUANT_KINDS))
+MODEL_KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MIXES]
+
+
+@functools.cache
+def quantized_pair(name: str):
+    """(model, blocks, drafter) for a file of type ``name`` (or a mix of :data:`MIXES`)."""
+    kind = name if name in MIXES else QUANT_KINDS[name]
+    shape = WIDE if name in MIXES else {}
+    model, blocks = quantized_model(qwen3_target(**shape), kind)
+    return model, blocks, new_drafter(qwen3_target(**shape)).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=MODEL_KINDS, ids=MODEL_KINDS)
 def quantized(request):
-    model, blocks = quantized_model(qwen3_target(), QUANT_KINDS[request.param])
-    return model, blocks, new_drafter(qwen3_target()).to(torch.bfloat16)
+    return quantized_pair(request.param)
 
 
 def test_the_runtime_computes_every_linear_layer_on_the_blocks(quantized):
     model, blocks, _ = quantized
     target = LeanTarget(model, FEATURE_LAYER_IDS, blocks=blocks)
-    kind = next(iter(blocks.values())).kind
-    for layer in target.layers:
-        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            assert isinstance(linear, QuantLinear) and linear.kind == kind
+    for i, layer in enumerate(target.layers):
+        fused = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
+        for key, linear in fused.items():
+            kinds = [blocks[f"model.layers.{i}.{name}.weight"].kind for name in FUSED_LINEARS[key]]
+            assert isinstance(linear, QuantLinear | QuantStack)
+            runs = [k for j, k in enumerate(kinds) if j == 0 or kinds[j - 1] != k]
+            assert list(linear.kinds) == runs, (i, key)
     assert isinstance(target.head, QuantLinear)
-    assert target.weight_format == {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}[kind]
+    names = sorted({kind_name(block.kind) for block in blocks.values()})
+    assert target.weight_format == "+".join(names)
     # close to the same weights in bfloat16 (the inputs' int8 rounding aside)
     plain = LeanVerifier(model, (), compile="off")
     ours = LeanVerifier(model, (), compile="off", blocks=blocks)
@@ -209,30 +260,32 @@ def permute_for_ggml(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def write_gguf(path, model, kind: int, arch: str = "llama", tied: bool = False) -> None:
-    """``model``'s linear weights as a GGUF of ``arch`` with ``kind`` blocks (q and k permuted as
-    llama.cpp writes Llama files; Qwen3 files as they are), norms in float32, and the head as
-    ``output.weight``, or (``tied``) as ``token_embd.weight`` with no output tensor."""
+def write_gguf(path, model, blocks, arch: str = "llama", tied: bool = False) -> None:
+    """``model``'s linear weights as a GGUF of ``arch`` holding their ``blocks`` (by parameter
+    name; q and k rows permuted as llama.cpp writes Llama files, Qwen3 files as they are), norms
+    in float32, and the head as ``output.weight``, or (``tied``) as ``token_embd.weight`` with no
+    output tensor."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
     files = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "attn_output": 3, "ffn_gate": 4}
     files.update({"ffn_up": 5, "ffn_down": 6})
-    for i, layer in enumerate(model.model.layers):
+    for i in range(len(model.model.layers)):
         for name, index in files.items():
-            weight = layer.get_submodule(PROJECTIONS[index]).weight.detach().float().numpy()
+            block = blocks[f"model.layers.{i}.{PROJECTIONS[index]}.weight"]
+            raw = block.raw
             if name in ("attn_q", "attn_k") and arch == "llama":
                 heads = (
                     config.num_attention_heads if name == "attn_q" else config.num_key_value_heads
                 )
-                weight = permute_for_ggml(weight, heads)
-            raw = quantize(weight, kind)
-            writer.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=GGMLQuantizationType(kind))
+                raw = permute_for_ggml(raw, heads)
+            kind = GGMLQuantizationType(block.kind)
+            writer.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=kind)
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(config.hidden_size, np.float32))
-    head = quantize(model.lm_head.weight.detach().float().numpy(), kind)
+    head = blocks["lm_head.weight"]
     name = "token_embd.weight" if tied else "output.weight"
-    writer.add_tensor(name, head, raw_dtype=GGMLQuantizationType(kind))
+    writer.add_tensor(name, head.raw, raw_dtype=GGMLQuantizationType(head.kind))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -246,7 +299,7 @@ def test_blocks_read_from_a_gguf_file_are_the_models_weights(tmp_path, arch, tie
     target = llama_target(num_key_value_heads=2) if arch == "llama" else qwen3_target()
     model, blocks = quantized_model(target, 8)
     path = tmp_path / "tiny.gguf"
-    write_gguf(path, model, 8, arch=arch, tied=tied)
+    write_gguf(path, model, blocks, arch=arch, tied=tied)
     read = read_blocks(path)
     assert set(read) == set(blocks)
     for name, block in blocks.items():
@@ -255,12 +308,29 @@ def test_blocks_read_from_a_gguf_file_are_the_models_weights(tmp_path, arch, tie
     check_blocks(read, model)
 
 
+def test_a_q4_k_m_file_runs_on_its_blocks_of_both_types(tmp_path):
+    """A Llama file as llama.cpp's Q4_K_M writes it (Q4_K, with some v and down projections and
+    the head in Q6_K): read in model order, checked, and every linear on its own blocks (a q, k, v
+    of two types side by side)."""
+    model, blocks = quantized_model(llama_target(num_key_value_heads=2, **WIDE), "Q4_K_M")
+    path = tmp_path / "tiny.Q4_K_M.gguf"
+    write_gguf(path, model, blocks)
+    read = read_blocks(path)
+    for name, block in blocks.items():
+        assert read[name].kind == block.kind and np.array_equal(read[name].raw, block.raw), name
+    check_blocks(read, model)
+    target = LeanTarget(model, FEATURE_LAYER_IDS, blocks=read)
+    assert target.weight_format == "Q4_K+Q6_K"
+    assert isinstance(target.layers[0].qkv, QuantStack) and target.layers[0].qkv.kinds == (12, 14)
+    assert isinstance(target.layers[1].qkv, QuantLinear)
+
+
 def test_a_wrong_head_count_is_caught_by_the_check(tmp_path):
     """q's first rows come from head 0 whatever head count un-permutes them; its last rows show a
     wrong one."""
     model, blocks = quantized_model(llama_target(num_key_value_heads=2), 8)
     path = tmp_path / "tiny.gguf"
-    write_gguf(path, model, 8)
+    write_gguf(path, model, blocks)
     read = read_blocks(path)
     name = "model.layers.0.self_attn.q_proj.weight"
     from caddtree.models.gguf_blocks import _unpermute
@@ -274,12 +344,12 @@ def test_a_wrong_head_count_is_caught_by_the_check(tmp_path):
 def test_files_that_are_not_the_models_or_not_computable_are_refused(tmp_path):
     model, blocks = quantized_model(llama_target(num_key_value_heads=2), 3)
     path = tmp_path / "tiny.gguf"
-    write_gguf(path, model, 3)
+    write_gguf(path, model, blocks)
     other, _ = quantized_model(llama_target(num_key_value_heads=2, seed=7), 3)
     with pytest.raises(CheckpointError, match="does not hold the model's weights"):
         check_blocks(read_blocks(path), other)
     gpt2 = tmp_path / "gpt2.gguf"
-    write_gguf(gpt2, model, 3, arch="gpt2")
+    write_gguf(gpt2, model, blocks, arch="gpt2")
     with pytest.raises(CheckpointError, match="architecture 'gpt2'.*--dequantize"):
         read_blocks(gpt2)
     data = path.read_bytes()
@@ -337,7 +407,7 @@ from caddtree.models.quantized import QuantLinear, quantized_kernel_available
 assert quantized_kernel_available() and kernels.kernel_variant() == "avx2"
 case = torch.load(sys.argv[1], weights_only=True)
 out = {"q": torch.ops.caddtree.quantize_input(case["x"])[0]}
-for kind in (2, 3, 8):
+for kind in case["kinds"].tolist():
     out[str(kind)] = QuantLinear(case[f"w{kind}"], kind, int(case["n"]), case["bias"])(case["x"])
     out[f"{kind}-alone"] = QuantLinear(case[f"w{kind}"], kind, int(case["n"]))(case["x"][3:4])
 torch.save(out, sys.argv[2])
@@ -352,8 +422,9 @@ def test_the_avx2_build_computes_the_same_bits(tmp_path):
     import sys
 
     rng = np.random.default_rng(5)
-    n, k = 45, 160
+    n, k = 45, 768  # 24 blocks, 3 super-blocks
     case = {"x": torch.randn(13, k).bfloat16(), "n": torch.tensor(n), "bias": torch.randn(n)}
+    case["kinds"] = torch.tensor(list(QUANT_KINDS.values()))
     for kind in QUANT_KINDS.values():
         case[f"w{kind}"] = pack_blocks(quantize(rng.standard_normal((n, k)), kind), kind)
     torch.save(case, tmp_path / "case.pt")
@@ -420,9 +491,10 @@ def test_non_finite_inputs_give_non_finite_outputs_in_their_row_only():
     assert out[1].isnan().all() and out[2].isnan().all()
 
 
-def test_the_compiled_runtime_on_blocks_equals_plain_decoding(quantized):
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K_M"])  # the built-in file's, and two types mixed
+def test_the_compiled_runtime_on_blocks_equals_plain_decoding(name):
     """The runtime ``auto`` picks: the lean layers compiled by inductor, on the file's blocks."""
-    model, blocks, drafter = quantized
+    model, blocks, drafter = quantized_pair(name)
     compiled = partial(LeanVerifier, compile="on", blocks=blocks, progress=False)
     prompt = PROMPTS[0]
     results = [

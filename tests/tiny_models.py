@@ -58,8 +58,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def qwen3_target(attn_implementation: str = "sdpa", seed: int = 0) -> PreTrainedModel:
-    config = Qwen3Config(**_COMMON, attn_implementation=attn_implementation)
+def qwen3_target(attn_implementation: str = "sdpa", seed: int = 0, **overrides) -> PreTrainedModel:
+    config = Qwen3Config(**{**_COMMON, **overrides}, attn_implementation=attn_implementation)
     return randomize_(Qwen3ForCausalLM(config).to(torch.float64), seed)
 
 

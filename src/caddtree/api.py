@@ -246,7 +246,7 @@ class SpeculativeGenerator:
         ``runtime``: the target's forward, see the class docstring.
         A target read from a GGUF file (``gguf_file``, or the built-in one) keeps its quantized
         weights on the lean runtimes in bfloat16 on CPUs whose kernels compute them
-        (:mod:`caddtree.models.quantized`: Q4_0, Q4_1, Q8_0); ``dequantize`` runs them as
+        (:mod:`caddtree.models.quantized`: Q4_0 to Q8_0, Q4_K to Q6_K); ``dequantize`` runs them as
         bfloat16 instead; ``dtype="auto"`` is bfloat16 for such a target on the CPU. The loaded
         model's own copies of the weights that run on blocks are then freed: ``gen.target`` keeps
         the model's configuration, embeddings, norms and head, and its forward runs only through

@@ -39,7 +39,8 @@ def add_target_argument(parser: Any) -> None:
     parser.add_argument(
         "--target",
         help="target model: a local directory, a hub id or a .gguf file (Llama family or Qwen3; "
-        "its Q4_0, Q4_1 and Q8_0 weights are computed as they are; default: built-in SmolLM2, "
+        "its Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights are computed as they are; "
+        "default: built-in SmolLM2, "
         "its Q4_1 file)",
     )
 

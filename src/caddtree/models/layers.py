@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .packing import pack_weight, packed_linear, packing_fits
-from .quantized import QuantLinear, kind_name, pack_blocks, quantized_unsupported
+from .quantized import QuantLinear, QuantStack, kind_name, pack_blocks, quantized_unsupported
 
 if TYPE_CHECKING:
     from .gguf_blocks import Blocks
@@ -84,20 +84,35 @@ def _fused_bias(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
 
 def quantized_linear(
     parts: Sequence[Blocks], bias: torch.Tensor | None = None
-) -> QuantLinear | None:
-    """One :class:`~caddtree.models.quantized.QuantLinear` computing the weights ``parts`` side by
-    side (a GGUF file's blocks of one type), or ``None`` where they cannot be fused or computed
-    here (types that differ, or one the kernel does not take)."""
-    kinds = {part.kind for part in parts}
-    rows = sum(part.shape[0] for part in parts)
-    if len(kinds) != 1 or quantized_unsupported(parts[0].kind, (rows, parts[0].shape[1])):
+) -> QuantLinear | QuantStack | None:
+    """The weights ``parts`` (a GGUF file's blocks) computed side by side on the quantized
+    kernel: one :class:`~caddtree.models.quantized.QuantLinear` where they share a type, else a
+    :class:`~caddtree.models.quantized.QuantStack` of one per run of a type; ``None`` where one
+    of them is of a type the kernel does not take here."""
+    if any(quantized_unsupported(part.kind, part.shape) for part in parts):
         return None
-    raw = np.concatenate([part.raw for part in parts]) if len(parts) > 1 else parts[0].raw
-    return QuantLinear(pack_blocks(raw, parts[0].kind), parts[0].kind, rows, bias)
+    linears, start = [], 0
+    for run in _runs_of_one_kind(parts):
+        rows = sum(part.shape[0] for part in run)
+        raw = np.concatenate([part.raw for part in run]) if len(run) > 1 else run[0].raw
+        part_bias = None if bias is None else bias[start : start + rows]
+        linears.append(QuantLinear(pack_blocks(raw, run[0].kind), run[0].kind, rows, part_bias))
+        start += rows
+    return linears[0] if len(linears) == 1 else QuantStack(tuple(linears))
+
+
+def _runs_of_one_kind(parts: Sequence[Blocks]) -> list[list[Blocks]]:
+    runs: list[list[Blocks]] = []
+    for part in parts:
+        if runs and runs[-1][0].kind == part.kind:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
 
 
 def weight_format(
-    layers: Sequence[LayerWeights], head: QuantLinear | None, dtype: torch.dtype
+    layers: Sequence[LayerWeights], head: QuantLinear | QuantStack | None, dtype: torch.dtype
 ) -> str:
     """What the linear layers and the head compute on: ``"bfloat16"`` (the dtype's name) where
     none is quantized, the block type's name where all are (``"Q8_0"``), else the names of the mix
@@ -107,8 +122,13 @@ def weight_format(
         linear for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
     names = {
-        kind_name(linear.kind) if isinstance(linear, QuantLinear) else str(dtype).split(".")[-1]
+        name
         for linear in (*linears, head)
+        for name in (
+            [kind_name(kind) for kind in linear.kinds]
+            if isinstance(linear, QuantLinear | QuantStack)
+            else [str(dtype).split(".")[-1]]
+        )
     }
     return "+".join(sorted(names))
 
@@ -126,12 +146,12 @@ def packed_layers_fit(model: Any) -> bool:
 
 class LayerWeights(NamedTuple):
     input_norm: torch.Tensor
-    qkv: Linear | QuantLinear
+    qkv: Linear | QuantLinear | QuantStack
     qk_norm: torch.Tensor | None  # Qwen3: q_norm's weight for each query head, then k_norm's
-    o: Linear | QuantLinear
+    o: Linear | QuantLinear | QuantStack
     post_norm: torch.Tensor
-    gate_up: Linear | QuantLinear
-    down: Linear | QuantLinear
+    gate_up: Linear | QuantLinear | QuantStack
+    down: Linear | QuantLinear | QuantStack
 
 
 FUSED_LINEARS = {  # the lean layers' fused linears, of the model's submodules
@@ -185,7 +205,7 @@ def layer_weights(
 
 def _layer_linear(
     layer: Any, names: Sequence[str], pack: bool, blocks: dict[str, Blocks] | None, prefix: str
-) -> Linear | QuantLinear:
+) -> Linear | QuantLinear | QuantStack:
     """The fused linear of ``layer``'s submodules ``names``: on a file's blocks where it can be
     (:func:`quantized_linear`), else :func:`fused_linear`."""
     modules = [layer.get_submodule(name) for name in names]

@@ -59,7 +59,7 @@ from .layers import (
     rotary_tables,
     weight_format,
 )
-from .quantized import QuantLinear
+from .quantized import QuantLinear, QuantStack
 from .rows import Rows
 from .target import TreeVerifier
 
@@ -190,7 +190,7 @@ class LeanTarget:
         freed = 0
         for layer, weights in zip(self.model.model.layers, self.layers):
             for key, names in FUSED_LINEARS.items():
-                if isinstance(getattr(weights, key), QuantLinear):
+                if isinstance(getattr(weights, key), QuantLinear | QuantStack):
                     for name in names:
                         module = layer.get_submodule(name)
                         module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)

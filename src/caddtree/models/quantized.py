@@ -1,9 +1,12 @@
-"""Linear layers computed on GGUF's quantized blocks (Q4_0, Q4_1, Q8_0), on the CPU.
+"""Linear layers computed on GGUF's quantized blocks, on the CPU: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+and the K formats of Q4_K_M, Q5_K_M and Q6_K files (Q4_K, Q5_K, Q6_K).
 
-A GGUF file stores most weights in blocks of 32 columns of one output row: integers of 4 or 8
-bits with a float16 scale (and, in Q4_1, a float16 minimum). :func:`pack_blocks` lays a weight's
-blocks out once for caddtree's kernel (``csrc/linear_q.cpp``; the bytes are the file's, reordered,
-plus nothing), and :class:`QuantLinear` multiplies bfloat16 rows by it without ever widening the
+A GGUF file stores most weights in blocks of 32 columns of one output row: integers of 4 to 8
+bits with a float16 scale (and, in Q4_1 and Q5_1, a float16 minimum); the K formats group 8 or 16
+such blocks under one float16 scale with small integer scales per block. :func:`pack_blocks` lays
+a weight's blocks out once for caddtree's kernel (``csrc/linear_q.cpp``): Q4_0, Q4_1 and Q8_0 as
+the file's bytes, reordered; 5- and 6-bit integers widened to a byte each; the K formats' block
+scales multiplied out to float32 (exact). And :class:`QuantLinear` multiplies bfloat16 rows by it without ever widening the
 weight: each row's inputs are quantized per block to int8 (as llama.cpp does), each block's dot
 product is an exact integer sum (AVX512-VNNI; AVX2's byte products in the AVX2 build, to the
 same bits), and the float32 sums over blocks are rounded once to bfloat16. A row gets the same bits alone or among others, as with the bfloat16 kernel, so plain
@@ -27,6 +30,7 @@ __all__ = [
     "BLOCK",
     "QUANT_KINDS",
     "QuantLinear",
+    "QuantStack",
     "block_bytes",
     "kind_name",
     "pack_blocks",
@@ -40,10 +44,37 @@ BLOCK = 32
 GROUP = 32
 """Outputs per group of the packed layout (the last group padded with zero blocks)."""
 
-QUANT_KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+QUANT_KINDS = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+}
 """The block formats the kernel computes, by name, with ggml's type id (what the kernel takes)."""
 
-_FILE_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes of one block of one row in a GGUF file
+
+class _Format(NamedTuple):
+    file_bytes: int  # bytes of one block of one row in a GGUF file
+    columns: int  # columns of that block (32, or a K format's 256)
+    arrays: int  # scale arrays in the packed layout: d, and m or a second d
+    scale_bytes: int  # 2 (float16) or 4 (float32)
+    nibbles: bool  # integers packed 4 bits each (else one byte each)
+
+
+_FORMATS = {
+    2: _Format(18, 32, 1, 2, True),
+    3: _Format(20, 32, 2, 2, True),
+    6: _Format(22, 32, 1, 2, False),
+    7: _Format(24, 32, 2, 2, False),
+    8: _Format(34, 32, 1, 2, False),
+    12: _Format(144, 256, 2, 4, True),
+    13: _Format(176, 256, 2, 4, False),
+    14: _Format(210, 256, 2, 4, False),
+}
 
 
 def kind_name(kind: int) -> str:
@@ -58,7 +89,8 @@ def kind_name(kind: int) -> str:
 
 def block_bytes(kind: int) -> int:
     """Bytes of one column block of one group of 32 outputs in the packed layout."""
-    return 64 + (64 if kind == 3 else 0) + (1024 if kind == 8 else 512)
+    fmt = _FORMATS[kind]
+    return 32 * fmt.arrays * fmt.scale_bytes + (512 if fmt.nibbles else 1024)
 
 
 @functools.cache
@@ -74,42 +106,121 @@ def quantized_unsupported(kind: int, shape: tuple[int, int]) -> str | None:
     kernel here, or ``None`` if it can."""
     if kind not in QUANT_KINDS.values():
         return f"its type {kind_name(kind)} is not one of {', '.join(QUANT_KINDS)}"
-    if shape[1] % BLOCK:
-        return f"its {shape[1]} input columns are not a whole number of {BLOCK}-column blocks"
+    columns = _FORMATS[kind].columns
+    if shape[1] % columns:
+        return f"its {shape[1]} input columns are not a whole number of {columns}-column blocks"
     if not quantized_kernel_available():
         return "caddtree's kernels do not run here (they need AVX2 or AVX512-BF16, and g++)"
     return None
 
 
 def pack_blocks(raw: np.ndarray, kind: int) -> torch.Tensor:
-    """A weight's GGUF blocks ``raw`` (uint8 [N, K / 32 * block size], rows in output order) laid
-    out for :class:`QuantLinear`: uint8 [ceil(N / 32), K / 32, :func:`block_bytes`] (see
+    """A weight's GGUF blocks ``raw`` (uint8 [N, bytes per row], rows in output order) laid out
+    for :class:`QuantLinear`: uint8 [ceil(N / 32), K / 32, :func:`block_bytes`] (see
     ``csrc/linear_q.cpp`` for the layout)."""
-    if kind not in _FILE_BLOCK_BYTES:
+    if kind not in _FORMATS:
         raise ValueError(f"cannot pack {kind_name(kind)} blocks")
-    size = _FILE_BLOCK_BYTES[kind]
+    fmt = _FORMATS[kind]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    n = raw.shape[0]
-    if raw.ndim != 2 or raw.shape[1] % size:
+    if raw.ndim != 2 or raw.shape[1] % fmt.file_bytes:
         raise ValueError(
-            f"{kind_name(kind)} rows must be whole {size}-byte blocks, got {raw.shape}"
+            f"{kind_name(kind)} rows must be whole {fmt.file_bytes}-byte blocks, got {raw.shape}"
         )
-    nb = raw.shape[1] // size
+    n = raw.shape[0]
+    blocks = _blocks_of_32(raw.reshape(n, -1, fmt.file_bytes), kind)  # [n, K / 32, size]
+    nb, size = blocks.shape[1:]
     groups = -(-n // GROUP)
-    blocks = np.zeros((groups * GROUP, nb, size), dtype=np.uint8)  # padding: zero scales
-    blocks[:n] = raw.reshape(n, nb, size)
-    blocks = blocks.reshape(groups, GROUP, nb, size).transpose(0, 2, 1, 3)  # [G, nb, 32, size]
-    scales = blocks[..., : 4 if kind == 3 else 2]
-    parts = [scales[..., 0:2].reshape(groups, nb, 64)]  # d of the 32 outputs
-    if kind == 3:
-        parts.append(scales[..., 2:4].reshape(groups, nb, 64))  # m of the 32 outputs
-    ints = blocks[..., 4 if kind == 3 else 2 :]
-    if kind == 8:
-        ints = ints ^ np.uint8(0x80)  # signed q as unsigned q + 128
-    steps = ints.shape[-1] // 4  # 4-byte columns per output: 4 (Q4), 8 (Q8)
+    padded = np.zeros((groups * GROUP, nb, size), dtype=np.uint8)  # padding: zero scales
+    padded[:n] = blocks
+    padded = padded.reshape(groups, GROUP, nb, size).transpose(0, 2, 1, 3)  # [G, nb, 32, size]
+    width = fmt.scale_bytes
+    parts = [  # each scale array: its 32 outputs' values in a row
+        padded[..., a * width : (a + 1) * width].reshape(groups, nb, 32 * width)
+        for a in range(fmt.arrays)
+    ]
+    ints = padded[..., fmt.arrays * width :]
+    steps = ints.shape[-1] // 4  # 4-byte columns per output: 4 (nibbles), 8 (bytes)
     ints = ints.reshape(groups, nb, 2, 16, steps, 4).transpose(0, 1, 2, 4, 3, 5)
     parts.append(ints.reshape(groups, nb, -1))
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, -1)))
+
+
+def _blocks_of_32(blocks: np.ndarray, kind: int) -> np.ndarray:
+    """A weight's file blocks ``[n, count, file bytes]`` as blocks of 32 columns in the packed
+    layout's terms, ``[n, K / 32, scale arrays + integers]``: the scales (float16 or float32) as
+    bytes, then the integers u, 16 bytes of nibbles in Q4_0's order (column i low, i + 16 high)
+    or 32 bytes (Q8_0's signed q as u = q + 128)."""
+    if kind in (2, 3):
+        return blocks  # the file's blocks are these
+    if kind == 8:
+        out = blocks.copy()
+        out[..., 2:] ^= np.uint8(0x80)
+        return out
+    if kind in (6, 7):
+        return _legacy_5bit(blocks, with_min=kind == 7)
+    if kind == 14:
+        return _q6_k(blocks)
+    return _q45_k(blocks, high_bits=kind == 13)
+
+
+def _join(scales: list[np.ndarray], ints: np.ndarray) -> np.ndarray:
+    """Per-block scale values (each [n, nb], float16 or float32) and integers [n, nb, bytes]
+    as one byte array [n, nb, size]."""
+    parts = [np.ascontiguousarray(a).view(np.uint8).reshape(*a.shape, -1) for a in scales]
+    return np.concatenate([*parts, ints.astype(np.uint8)], -1)
+
+
+def _legacy_5bit(blocks: np.ndarray, with_min: bool) -> np.ndarray:
+    """Q5_0 (d, 32 high bits, 16 bytes of nibbles) and Q5_1 (d, m, ...): u = nibble + 16 * bit."""
+    head = 4 if with_min else 2
+    scales = [blocks[..., a : a + 2].copy().view(np.float16)[..., 0] for a in range(0, head, 2)]
+    high = np.unpackbits(blocks[..., head : head + 4], axis=-1, bitorder="little")  # [n, nb, 32]
+    nibbles = blocks[..., head + 4 :]
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], -1)  # column i, then i + 16
+    return _join(scales, low | (high << 4))
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and minimums [..., 8] of a Q4_K or Q5_K super-block's 12 bytes."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], -1)
+    mins = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], -1)
+    return scales, mins
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q45_k(blocks: np.ndarray, high_bits: bool) -> np.ndarray:
+    """Q4_K (d, dmin, 12 bytes of scales, 128 of nibbles) and Q5_K (the same with 32 bytes of
+    high bits before the nibbles) per block of 32: dw = d * scale, mw = -dmin * min, u."""
+    n, count = blocks.shape[:2]
+    scales, mins = _k_scales(blocks[..., 4:16])
+    dw = _f16(blocks, 0)[..., None] * scales  # exact: 11 bits times 6
+    mw = -(_f16(blocks, 2)[..., None] * mins)
+    nibbles = blocks[..., -128:].reshape(n, count, 4, 32)  # 4 chunks of 64 columns
+    u = np.stack([nibbles & 0x0F, nibbles >> 4], 3)  # [n, count, chunk, low/high, 32]
+    if high_bits:
+        bits = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")  # [.., 32, 8]
+        u = u | (bits.transpose(0, 1, 3, 2).reshape(n, count, 4, 2, 32) << 4)
+    u = u.reshape(n, count * 8, 32)
+    ints = (u[..., :16] | (u[..., 16:] << 4)) if not high_bits else u
+    return _join([dw.reshape(n, -1), mw.reshape(n, -1)], ints)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K (128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d) per block of 32:
+    dw0, dw1 = d * scale of columns 0..15 and 16..31, and u (w = dw (u - 32))."""
+    n, count = blocks.shape[:2]
+    low = blocks[..., :128].reshape(n, count, 2, 2, 32)  # [half, 32-byte run, l]
+    high = blocks[..., 128:192].reshape(n, count, 2, 1, 32)
+    nibble = np.stack([low & 0x0F, low >> 4], 3).reshape(n, count, 2, 4, 32)  # columns 32j + l
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    u = nibble | (((high >> shifts) & 3) << 4)  # [n, count, half, j, l]: column 128 half + 32 j + l
+    scale = blocks[..., 192:208].view(np.int8).astype(np.float32) * _f16(blocks, 208)[..., None]
+    scale = scale.reshape(n, count * 8, 2)
+    return _join([scale[..., 0], scale[..., 1]], u.reshape(n, count * 8, 32))
 
 
 class QuantLinear(NamedTuple):
@@ -122,3 +233,22 @@ class QuantLinear(NamedTuple):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.caddtree.linear_q(x, self.packed, self.kind, self.n, self.bias)
+
+    @property
+    def kinds(self) -> tuple[int, ...]:
+        return (self.kind,)
+
+
+class QuantStack(NamedTuple):
+    """Linear layers on blocks of different formats computed side by side, their outputs
+    concatenated: a fused linear whose parts a file stores in different types (a Q4_K_M file's
+    q and k projections in Q4_K, its v in Q6_K)."""
+
+    parts: tuple[QuantLinear, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], -1)
+
+    @property
+    def kinds(self) -> tuple[int, ...]:
+        return tuple(part.kind for part in self.parts)

@@ -1,28 +1,36 @@
 // caddtree::linear_q: y = x @ W.T (+ bias) for bfloat16 rows x and a weight W kept in GGUF's
-// Q4_0, Q4_1 or Q8_0 blocks, on CPUs with AVX512-VNNI (every CPU with AVX512-BF16 has it).
+// blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), on CPUs with AVX512-VNNI (every CPU
+// with AVX512-BF16 has it).
 //
 // Arithmetic (llama.cpp's): each row's input is quantized once per call, per block of 32
 // columns, to int8 with a float32 scale dx = max|x| / 127 (q = x * (1 / dx) rounded to nearest
-// even) and the block's sum s = sum(q). A weight block of 32 columns of one output holds a float16
-// scale dw (and, in Q4_1, a float16 minimum mw) and 32 integers u: Q4_0 w = dw * (u - 8), Q4_1
-// w = dw * u + mw, Q8_0 w = dw * (u - 128) once its signed bytes are stored as u = q + 128. vpdpbusd
-// multiplies the unsigned u by the signed input bytes, so every block's dot product is an exact
-// int32 sum I = sum(u * q), and the output accumulates, block after block in order, in float32:
-//   Q4_0: acc += (dw * dx) * (I - 8 s)        Q8_0: acc += (dw * dx) * (I - 128 s)
-//   Q4_1: acc += (dw * dx) * I, then acc += mw * (dx * s)
+// even) and the block's sum s = sum(q). Every format is read as blocks of 32 columns of one
+// output holding unsigned integers u with a scale dw (and a minimum mw, or a second scale):
+//   Q4_0 w = dw (u - 8)   Q5_0 w = dw (u - 16)   Q8_0 w = dw (u - 128), its signed bytes stored
+//   as u = q + 128; Q4_1, Q5_1, Q4_K, Q5_K w = dw u + mw; Q6_K w = dw (u - 32) with its own dw
+//   for columns 0..15 and 16..31.
+// The K formats' scales are products of a float16 super-block scale and a 6- or 8-bit integer
+// (and their minimums negated), exact in float32, so they are stored as float32; the others keep
+// the file's float16. vpdpbusd multiplies the unsigned u by the signed input bytes, so every
+// block's dot product is an exact int32 sum I = sum(u * q), and the output accumulates, block
+// after block in order, in float32:
+//   acc += (dw * dx) * (I - offset * s)                  (offset 8, 16, 128, or 0)
+//   acc += mw * (dx * s)                                 (formats with a minimum, after that)
+//   Q6_K: acc += (dw0 * dx) * (I0 - 32 s0), then acc += (dw1 * dx) * (I1 - 32 s1) over its halves
 // and is rounded once to bfloat16 (plus the bias). Nothing a row computes depends on the other
 // rows of the call, so a row's result is the same bits alone or among others, and plain decoding
 // (one row) and tree verification (many) agree exactly.
 //
 // Layout (made once by caddtree.models.quantized.pack_blocks): outputs in groups of 32 (the last
 // padded with zero blocks), each group a run of its K / 32 column blocks, each of
-//   dw [32] float16 | mw [32] float16 (Q4_1 only) | the integers
-// where the integers of output half h (outputs 16h .. 16h + 15) come in 64-byte loads: load s of
-// half h holds, for each of its 16 outputs, 4 bytes. Q4 (the file's nibble order): byte b of an
-// output in load s has column 4s + b in its low nibble and column 16 + 4s + b in its high one,
-// loads [h][s] for s = 0..3. Q8_0: byte b in load s is column 4s + b + 128, loads [h][s] for
-// s = 0..7. A load then feeds vpdpbusd directly (Q8) or after a mask and a shift (Q4), against a
-// broadcast of the matching 4 input bytes: one int32 lane per output, no horizontal sums.
+//   dw [32] | mw or dw1 [32] (formats with two arrays) | the integers
+// (float16 or float32 scales), where the integers of output half h (outputs 16h .. 16h + 15)
+// come in 64-byte loads: load s of half h holds, for each of its 16 outputs, 4 bytes. 4-bit
+// formats (Q4_0's nibble order): byte b of an output in load s has column 4s + b in its low
+// nibble and column 16 + 4s + b in its high one, loads [h][s] for s = 0..3. Byte formats: byte b
+// in load s is column 4s + b, loads [h][s] for s = 0..7. A load then feeds vpdpbusd directly
+// (bytes) or after a mask and a shift (nibbles), against a broadcast of the matching 4 input
+// bytes: one int32 lane per output, no horizontal sums.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -71,15 +79,23 @@ std::pair<float, int32_t> quantize_block(const c10::BFloat16* x, int8_t* q) {
 
 inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(load4(p)); }
 
+// The 16 scales of output half h in scale array a of the block at blk, as float32.
+template <int64_t Kind>
+inline __m512 scales16(const uint8_t* blk, int a, int h) {
+  constexpr Format f = format(Kind);
+  const uint8_t* at = blk + (32 * a + 16 * h) * f.scale_bytes;
+  if constexpr (f.scale_bytes == 4) return _mm512_loadu_ps(at);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
 // Rows m0 .. m0 + MB - 1 of the output, outputs o0 .. o0 + 31 (one group at wg). Each output's
-// integer sum of a block runs in C chains (two where there are too few rows to hide vpdpbusd's
-// latency), added at the block's end: integers, so the order does not change the bits.
+// integer sum of a block (or a part) runs in C chains (two where there are too few rows to hide
+// vpdpbusd's latency), added at its end: integers, so the order does not change the bits.
 template <int64_t Kind, int MB>
 void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
-  constexpr bool q4 = Kind != kQ8_0, with_min = Kind == kQ4_1;
-  constexpr int C = MB <= 2 ? 2 : 1;
-  constexpr int64_t bytes = block_bytes(Kind);
-  constexpr int32_t offset = Kind == kQ4_0 ? 8 : Kind == kQ8_0 ? 128 : 0;
+  constexpr Format f = format(Kind);
+  constexpr int C = MB <= 2 ? 2 : 1, steps = 4 / f.parts;
+  constexpr int64_t bytes = f.bytes();
   const int64_t nb = p.K / kBlock;
   const Input& in = *p.in;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -92,58 +108,58 @@ void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
         _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bytes + line), _MM_HINT_T0);
       }
     }
-    const uint8_t* ints = blk + (with_min ? 128 : 64);
-    __m512i sums[MB][2][C];  // [row][half][chain]
-    for (int i = 0; i < MB; ++i) {
-      for (int h = 0; h < 2; ++h) {
-        for (int c = 0; c < C; ++c) sums[i][h][c] = _mm512_setzero_si512();
-      }
-    }
-    // Q4: a load gives columns 4s.. (low nibbles) and 16 + 4s.. (high); Q8: loads 2s and 2s + 1
-    // give columns 8s.. and 8s + 4..
-    for (int s = 0; s < 4; ++s) {
-      __m512i first[2], second[2];
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (q4) {
-          const __m512i u = _mm512_loadu_si512(ints + (h * 4 + s) * 64);
-          first[h] = _mm512_and_si512(u, low);
-          second[h] = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
-        } else {
-          first[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s) * 64);
-          second[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s + 1) * 64);
-        }
-      }
-      const int64_t col = b * kBlock + (q4 ? 4 * s : 8 * s), next = q4 ? 16 : 4;
+    const uint8_t* ints = blk + f.header();
+    for (int part = 0; part < f.parts; ++part) {
+      __m512i sums[MB][2][C];  // [row][half][chain]
       for (int i = 0; i < MB; ++i) {
-        const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
-        const __m512i x0 = broadcast4(xq), x1 = broadcast4(xq + next);
         for (int h = 0; h < 2; ++h) {
-          sums[i][h][0] = _mm512_dpbusd_epi32(sums[i][h][0], first[h], x0);
-          sums[i][h][C - 1] = _mm512_dpbusd_epi32(sums[i][h][C - 1], second[h], x1);
+          for (int c = 0; c < C; ++c) sums[i][h][c] = _mm512_setzero_si512();
+        }
+      }
+      // nibbles: a load gives columns 4s.. (low) and 16 + 4s.. (high); bytes: loads 2s and 2s + 1
+      // give columns 8s.. and 8s + 4..
+      for (int s = part * steps; s < (part + 1) * steps; ++s) {
+        __m512i first[2], second[2];
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (f.nibbles) {
+            const __m512i u = _mm512_loadu_si512(ints + (h * 4 + s) * 64);
+            first[h] = _mm512_and_si512(u, low);
+            second[h] = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+          } else {
+            first[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s) * 64);
+            second[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s + 1) * 64);
+          }
+        }
+        const int64_t col = b * kBlock + (f.nibbles ? 4 * s : 8 * s), next = f.nibbles ? 16 : 4;
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
+          const __m512i x0 = broadcast4(xq), x1 = broadcast4(xq + next);
+          for (int h = 0; h < 2; ++h) {
+            sums[i][h][0] = _mm512_dpbusd_epi32(sums[i][h][0], first[h], x0);
+            sums[i][h][C - 1] = _mm512_dpbusd_epi32(sums[i][h][C - 1], second[h], x1);
+          }
+        }
+      }
+      const __m512 dw[2] = {scales16<Kind>(blk, part, 0), scales16<Kind>(blk, part, 1)};
+      for (int i = 0; i < MB; ++i) {
+        const int64_t at = (m0 + i) * nb + b;
+        const __m512 dx = _mm512_set1_ps(in.d[at]);
+        const int32_t s = f.parts == 2 ? in.s16[2 * at + part] : in.s[at];
+        for (int h = 0; h < 2; ++h) {
+          __m512i total = sums[i][h][0];
+          if constexpr (C == 2) total = _mm512_add_epi32(total, sums[i][h][1]);
+          if constexpr (f.offset != 0) {
+            total = _mm512_sub_epi32(total, _mm512_set1_epi32(f.offset * s));
+          }
+          acc[i][h] = _mm512_fmadd_ps(_mm512_mul_ps(dw[h], dx), _mm512_cvtepi32_ps(total), acc[i][h]);
         }
       }
     }
-    const __m512 dw[2] = {
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk))),
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))};
-    for (int i = 0; i < MB; ++i) {
-      const int64_t at = (m0 + i) * nb + b;
-      const __m512 dx = _mm512_set1_ps(in.d[at]);
-      for (int h = 0; h < 2; ++h) {
-        __m512i total = sums[i][h][0];
-        if constexpr (C == 2) total = _mm512_add_epi32(total, sums[i][h][1]);
-        if constexpr (offset != 0) {
-          total = _mm512_sub_epi32(total, _mm512_set1_epi32(offset * in.s[at]));
-        }
-        acc[i][h] = _mm512_fmadd_ps(_mm512_mul_ps(dw[h], dx), _mm512_cvtepi32_ps(total), acc[i][h]);
-      }
-      if constexpr (with_min) {
-        const __m512 ds = _mm512_set1_ps(in.ds[at]);
-        for (int h = 0; h < 2; ++h) {
-          const __m512 mw = _mm512_cvtph_ps(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 32 * h)));
-          acc[i][h] = _mm512_fmadd_ps(mw, ds, acc[i][h]);
-        }
+    if constexpr (f.with_min) {
+      const __m512 mw[2] = {scales16<Kind>(blk, 1, 0), scales16<Kind>(blk, 1, 1)};
+      for (int i = 0; i < MB; ++i) {
+        const __m512 ds = _mm512_set1_ps(in.ds[(m0 + i) * nb + b]);
+        for (int h = 0; h < 2; ++h) acc[i][h] = _mm512_fmadd_ps(mw[h], ds, acc[i][h]);
       }
     }
   }

@@ -6,9 +6,9 @@
 //
 // Without vpdpbusd, a block's integer dot products come from vpmaddubsw (unsigned bytes times
 // signed bytes, adjacent pairs added to int16) and vpmaddwd against ones (pairs of those added to
-// int32): one int32 lane per output again. Q4's nibbles times int8 inputs stay far below int16's
-// range; a Q8_0 weight is taken as a signed byte, its magnitude times the input with the weight's
-// sign (vpabsb, vpsignb), so the sum is sum(w * q) directly and needs no offset. A 256-bit load
+// int32): one int32 lane per output again. Integers of up to 6 bits times int8 inputs stay far
+// below int16's range; a Q8_0 weight is taken as a signed byte, its magnitude times the input with
+// the weight's sign (vpabsb, vpsignb), so the sum is sum(w * q) directly and needs no offset. A 256-bit load
 // holds 8 outputs' 4 bytes, half of one of linear_q.cpp's 64-byte loads; a pass covers 16
 // outputs (one half of the group) for up to 2 rows: their 8 sums and accumulators, the weights and
 // the broadcast inputs fit the 16 registers.
@@ -79,11 +79,22 @@ inline __m256i dot4_signed(__m256i acc, __m256i w, __m256i x) {
   return dot4(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
 
+// The 8 scales of outputs 16 h + 8 v .. 16 h + 8 v + 7 in scale array a of the block at blk.
+template <int64_t Kind>
+inline __m256 scales8(const uint8_t* blk, int a, int h, int v) {
+  constexpr Format f = format(Kind);
+  const uint8_t* at = blk + (32 * a + 16 * h + 8 * v) * f.scale_bytes;
+  if constexpr (f.scale_bytes == 4) return _mm256_loadu_ps(reinterpret_cast<const float*>(at));
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+}
+
 // Rows m0 .. m0 + MB - 1, outputs o0 + 16 h .. o0 + 16 h + 15 (half h of the group at wg).
 template <int64_t Kind, int MB>
 void half_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0, int h) {
-  constexpr bool q4 = Kind != kQ8_0, with_min = Kind == kQ4_1;
-  constexpr int64_t bytes = block_bytes(Kind);
+  constexpr Format f = format(Kind);
+  constexpr bool signed_bytes = Kind == kQ8_0;  // summed as signed bytes: no offset to take
+  constexpr int steps = 4 / f.parts;
+  constexpr int64_t bytes = f.bytes();
   const int64_t nb = p.K / kBlock;
   const Input& in = *p.in;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -91,52 +102,57 @@ void half_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0, int 
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wg + b * bytes;
-    const uint8_t* ints = blk + (with_min ? 128 : 64);
-    __m256i sums[MB][2];
-    for (int i = 0; i < MB; ++i) sums[i][0] = sums[i][1] = _mm256_setzero_si256();
-    for (int s = 0; s < 4; ++s) {
-      const int64_t col = b * kBlock + (q4 ? 4 * s : 8 * s), next = q4 ? 16 : 4;
-      for (int v = 0; v < 2; ++v) {  // outputs 8 v .. 8 v + 7 of the half
-        __m256i first, second;
-        if constexpr (q4) {
-          const __m256i u = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(ints + (h * 4 + s) * 64 + 32 * v));
-          first = _mm256_and_si256(u, low);
-          second = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
-        } else {  // stored as q + 128: flip the top bit back to the signed byte
-          const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80));
-          first = _mm256_xor_si256(top, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                            ints + (h * 8 + 2 * s) * 64 + 32 * v)));
-          second = _mm256_xor_si256(top, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                             ints + (h * 8 + 2 * s + 1) * 64 + 32 * v)));
-        }
-        for (int i = 0; i < MB; ++i) {
-          const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
-          if constexpr (q4) {
-            sums[i][v] = dot4(dot4(sums[i][v], first, broadcast4(xq)), second, broadcast4(xq + next));
+    const uint8_t* ints = blk + f.header();
+    for (int part = 0; part < f.parts; ++part) {
+      __m256i sums[MB][2];
+      for (int i = 0; i < MB; ++i) sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+      for (int s = part * steps; s < (part + 1) * steps; ++s) {
+        const int64_t col = b * kBlock + (f.nibbles ? 4 * s : 8 * s), next = f.nibbles ? 16 : 4;
+        for (int v = 0; v < 2; ++v) {  // outputs 8 v .. 8 v + 7 of the half
+          __m256i first, second;
+          if constexpr (f.nibbles) {
+            const __m256i u = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(ints + (h * 4 + s) * 64 + 32 * v));
+            first = _mm256_and_si256(u, low);
+            second = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
           } else {
-            sums[i][v] = dot4_signed(dot4_signed(sums[i][v], first, broadcast4(xq)), second,
-                                     broadcast4(xq + next));
+            // Q8_0's bytes are stored as q + 128: flipping the top bit gives the signed byte back
+            const __m256i top = _mm256_set1_epi8(signed_bytes ? static_cast<char>(0x80) : 0);
+            first = _mm256_xor_si256(top, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                              ints + (h * 8 + 2 * s) * 64 + 32 * v)));
+            second = _mm256_xor_si256(top, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                               ints + (h * 8 + 2 * s + 1) * 64 + 32 * v)));
+          }
+          for (int i = 0; i < MB; ++i) {
+            const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
+            if constexpr (signed_bytes) {
+              sums[i][v] = dot4_signed(dot4_signed(sums[i][v], first, broadcast4(xq)), second,
+                                       broadcast4(xq + next));
+            } else {
+              sums[i][v] = dot4(dot4(sums[i][v], first, broadcast4(xq)), second, broadcast4(xq + next));
+            }
           }
         }
       }
-    }
-    for (int v = 0; v < 2; ++v) {
-      const int64_t at = 32 * h + 16 * v;  // bytes of this vector's 8 scales
-      const __m256 dw =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at)));
-      for (int i = 0; i < MB; ++i) {
-        const int64_t row_block = (m0 + i) * nb + b;
-        __m256i total = sums[i][v];
-        if constexpr (Kind == kQ4_0) {
-          total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * in.s[row_block]));
+      for (int v = 0; v < 2; ++v) {
+        const __m256 dw = scales8<Kind>(blk, part, h, v);
+        for (int i = 0; i < MB; ++i) {
+          const int64_t row_block = (m0 + i) * nb + b;
+          __m256i total = sums[i][v];
+          if constexpr (f.offset != 0 && !signed_bytes) {
+            const int32_t s = f.parts == 2 ? in.s16[2 * row_block + part] : in.s[row_block];
+            total = _mm256_sub_epi32(total, _mm256_set1_epi32(f.offset * s));
+          }
+          const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(in.d[row_block]));
+          acc[i][v] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc[i][v]);
         }
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(in.d[row_block]));
-        acc[i][v] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc[i][v]);
-        if constexpr (with_min) {
-          const __m256 mw =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + at)));
-          acc[i][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(in.ds[row_block]), acc[i][v]);
+      }
+    }
+    if constexpr (f.with_min) {
+      for (int v = 0; v < 2; ++v) {
+        const __m256 mw = scales8<Kind>(blk, 1, h, v);
+        for (int i = 0; i < MB; ++i) {
+          acc[i][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(in.ds[(m0 + i) * nb + b]), acc[i][v]);
         }
       }
     }
