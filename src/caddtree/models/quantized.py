@@ -4,9 +4,10 @@ and the K formats of Q4_K_M, Q5_K_M and Q6_K files (Q4_K, Q5_K, Q6_K).
 A GGUF file stores most weights in blocks of 32 columns of one output row: integers of 4 to 8
 bits with a float16 scale (and, in Q4_1 and Q5_1, a float16 minimum); the K formats group 8 or 16
 such blocks under one float16 scale with small integer scales per block. :func:`pack_blocks` lays
-a weight's blocks out once for caddtree's kernel (``csrc/linear_q.cpp``): Q4_0, Q4_1 and Q8_0 as
-the file's bytes, reordered; 5- and 6-bit integers widened to a byte each; the K formats' block
-scales multiplied out to float32 (exact). And :class:`QuantLinear` multiplies bfloat16 rows by it without ever widening the
+a weight's blocks out once for caddtree's kernel (``csrc/linear_q.cpp``): Q4_0, Q4_1, Q5_0, Q5_1 and
+Q8_0 as the file's bytes, reordered (5-bit integers as nibbles plus a word of fifth bits);
+Q6_K's integers widened to a byte each; the K formats' block scales multiplied out to float32
+(exact). And :class:`QuantLinear` multiplies bfloat16 rows by it without ever widening the
 weight: each row's inputs are quantized per block to int8 (as llama.cpp does), each block's dot
 product is an exact integer sum (AVX512-VNNI; AVX2's byte products in the AVX2 build, to the
 same bits), and the float32 sums over blocks are rounded once to bfloat16. A row gets the same bits alone or among others, as with the bfloat16 kernel, so plain
@@ -63,16 +64,17 @@ class _Format(NamedTuple):
     arrays: int  # scale arrays in the packed layout: d, and m or a second d
     scale_bytes: int  # 2 (float16) or 4 (float32)
     nibbles: bool  # integers packed 4 bits each (else one byte each)
+    fifth_bits: bool = False  # nibbles plus a 32-bit word of fifth bits per output and block
 
 
 _FORMATS = {
     2: _Format(18, 32, 1, 2, True),
     3: _Format(20, 32, 2, 2, True),
-    6: _Format(22, 32, 1, 2, False),
-    7: _Format(24, 32, 2, 2, False),
+    6: _Format(22, 32, 1, 2, True, True),
+    7: _Format(24, 32, 2, 2, True, True),
     8: _Format(34, 32, 1, 2, False),
     12: _Format(144, 256, 2, 4, True),
-    13: _Format(176, 256, 2, 4, False),
+    13: _Format(176, 256, 2, 4, True, True),
     14: _Format(210, 256, 2, 4, False),
 }
 
@@ -90,7 +92,8 @@ def kind_name(kind: int) -> str:
 def block_bytes(kind: int) -> int:
     """Bytes of one column block of one group of 32 outputs in the packed layout."""
     fmt = _FORMATS[kind]
-    return 32 * fmt.arrays * fmt.scale_bytes + (512 if fmt.nibbles else 1024)
+    ints = 512 if fmt.nibbles else 1024
+    return 32 * fmt.arrays * fmt.scale_bytes + ints + (128 if fmt.fifth_bits else 0)
 
 
 @functools.cache
@@ -138,29 +141,35 @@ def pack_blocks(raw: np.ndarray, kind: int) -> torch.Tensor:
         padded[..., a * width : (a + 1) * width].reshape(groups, nb, 32 * width)
         for a in range(fmt.arrays)
     ]
-    ints = padded[..., fmt.arrays * width :]
-    steps = ints.shape[-1] // 4  # 4-byte columns per output: 4 (nibbles), 8 (bytes)
-    ints = ints.reshape(groups, nb, 2, 16, steps, 4).transpose(0, 1, 2, 4, 3, 5)
-    parts.append(ints.reshape(groups, nb, -1))
+    head, ints = fmt.arrays * width, 16 if fmt.nibbles else 32
+    steps = ints // 4  # 4-byte columns per output: 4 (nibbles), 8 (bytes)
+    loads = padded[..., head : head + ints].reshape(groups, nb, 2, 16, steps, 4)
+    parts.append(loads.transpose(0, 1, 2, 4, 3, 5).reshape(groups, nb, -1))
+    if fmt.fifth_bits:  # each half's 16 words in a row
+        parts.append(padded[..., head + ints :].reshape(groups, nb, 128))
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, -1)))
 
 
 def _blocks_of_32(blocks: np.ndarray, kind: int) -> np.ndarray:
     """A weight's file blocks ``[n, count, file bytes]`` as blocks of 32 columns in the packed
     layout's terms, ``[n, K / 32, scale arrays + integers]``: the scales (float16 or float32) as
-    bytes, then the integers u, 16 bytes of nibbles in Q4_0's order (column i low, i + 16 high)
-    or 32 bytes (Q8_0's signed q as u = q + 128)."""
+    bytes, then the integers u: 16 bytes of nibbles in Q4_0's order (column i low, i + 16 high)
+    and, in 5-bit formats, a little-endian 32-bit word of fifth bits (bit i: column i); or 32
+    bytes (Q8_0's signed q as u = q + 128)."""
     if kind in (2, 3):
         return blocks  # the file's blocks are these
     if kind == 8:
         out = blocks.copy()
         out[..., 2:] ^= np.uint8(0x80)
         return out
-    if kind in (6, 7):
-        return _legacy_5bit(blocks, with_min=kind == 7)
+    if kind in (6, 7):  # d (m) | fifth bits | nibbles: the same bytes, the word last
+        head = 4 if kind == 7 else 2
+        return np.concatenate(
+            [blocks[..., :head], blocks[..., head + 4 :], blocks[..., head : head + 4]], -1
+        )
     if kind == 14:
         return _q6_k(blocks)
-    return _q45_k(blocks, high_bits=kind == 13)
+    return _q45_k(blocks, fifth_bits=kind == 13)
 
 
 def _join(scales: list[np.ndarray], ints: np.ndarray) -> np.ndarray:
@@ -168,16 +177,6 @@ def _join(scales: list[np.ndarray], ints: np.ndarray) -> np.ndarray:
     as one byte array [n, nb, size]."""
     parts = [np.ascontiguousarray(a).view(np.uint8).reshape(*a.shape, -1) for a in scales]
     return np.concatenate([*parts, ints.astype(np.uint8)], -1)
-
-
-def _legacy_5bit(blocks: np.ndarray, with_min: bool) -> np.ndarray:
-    """Q5_0 (d, 32 high bits, 16 bytes of nibbles) and Q5_1 (d, m, ...): u = nibble + 16 * bit."""
-    head = 4 if with_min else 2
-    scales = [blocks[..., a : a + 2].copy().view(np.float16)[..., 0] for a in range(0, head, 2)]
-    high = np.unpackbits(blocks[..., head : head + 4], axis=-1, bitorder="little")  # [n, nb, 32]
-    nibbles = blocks[..., head + 4 :]
-    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], -1)  # column i, then i + 16
-    return _join(scales, low | (high << 4))
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -192,21 +191,21 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def _q45_k(blocks: np.ndarray, high_bits: bool) -> np.ndarray:
+def _q45_k(blocks: np.ndarray, fifth_bits: bool) -> np.ndarray:
     """Q4_K (d, dmin, 12 bytes of scales, 128 of nibbles) and Q5_K (the same with 32 bytes of
-    high bits before the nibbles) per block of 32: dw = d * scale, mw = -dmin * min, u."""
+    fifth bits before the nibbles) per block of 32: dw = d * scale, mw = -dmin * min, u."""
     n, count = blocks.shape[:2]
     scales, mins = _k_scales(blocks[..., 4:16])
     dw = _f16(blocks, 0)[..., None] * scales  # exact: 11 bits times 6
     mw = -(_f16(blocks, 2)[..., None] * mins)
     nibbles = blocks[..., -128:].reshape(n, count, 4, 32)  # 4 chunks of 64 columns
-    u = np.stack([nibbles & 0x0F, nibbles >> 4], 3)  # [n, count, chunk, low/high, 32]
-    if high_bits:
+    u = np.stack([nibbles & 0x0F, nibbles >> 4], 3).reshape(n, count * 8, 32)  # block, column
+    ints = [u[..., :16] | (u[..., 16:] << 4)]
+    if fifth_bits:  # byte l's bit j: column l of block j of the super-block
         bits = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")  # [.., 32, 8]
-        u = u | (bits.transpose(0, 1, 3, 2).reshape(n, count, 4, 2, 32) << 4)
-    u = u.reshape(n, count * 8, 32)
-    ints = (u[..., :16] | (u[..., 16:] << 4)) if not high_bits else u
-    return _join([dw.reshape(n, -1), mw.reshape(n, -1)], ints)
+        words = np.packbits(bits.transpose(0, 1, 3, 2), axis=-1, bitorder="little")  # [.., 8, 4]
+        ints.append(words.reshape(n, count * 8, 4))
+    return _join([dw.reshape(n, -1), mw.reshape(n, -1)], np.concatenate(ints, -1))
 
 
 def _q6_k(blocks: np.ndarray) -> np.ndarray:

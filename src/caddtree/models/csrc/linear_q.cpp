@@ -23,14 +23,16 @@
 //
 // Layout (made once by caddtree.models.quantized.pack_blocks): outputs in groups of 32 (the last
 // padded with zero blocks), each group a run of its K / 32 column blocks, each of
-//   dw [32] | mw or dw1 [32] (formats with two arrays) | the integers
+//   dw [32] | mw or dw1 [32] (formats with two arrays) | the integers | fifth bits (5-bit formats)
 // (float16 or float32 scales), where the integers of output half h (outputs 16h .. 16h + 15)
 // come in 64-byte loads: load s of half h holds, for each of its 16 outputs, 4 bytes. 4-bit
 // formats (Q4_0's nibble order): byte b of an output in load s has column 4s + b in its low
-// nibble and column 16 + 4s + b in its high one, loads [h][s] for s = 0..3. Byte formats: byte b
-// in load s is column 4s + b, loads [h][s] for s = 0..7. A load then feeds vpdpbusd directly
-// (bytes) or after a mask and a shift (nibbles), against a broadcast of the matching 4 input
-// bytes: one int32 lane per output, no horizontal sums.
+// nibble and column 16 + 4s + b in its high one, loads [h][s] for s = 0..3; the 5-bit formats add
+// one 64-byte load per half of the outputs' 32-bit words of fifth bits (bit c: column c), set
+// into bit 4 of each nibble's byte (Q5_0 and Q5_1 keep the file's bytes, reordered). Byte
+// formats: byte b in load s is column 4s + b, loads [h][s] for s = 0..7. A load then feeds
+// vpdpbusd directly (bytes) or after a mask and a shift (nibbles), against a broadcast of the
+// matching 4 input bytes: one int32 lane per output, no horizontal sums.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -88,6 +90,16 @@ inline __m512 scales16(const uint8_t* blk, int a, int h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
+// 0x10 in byte b of each 32-bit lane where bit shift + b of the lane's word is set: the fifth
+// bits of the integers of 4 columns, for the nibbles of those columns.
+inline __m512i fifth_bits(__m512i words, int shift) {
+  const __m512i low_byte = _mm512_srl_epi32(words, _mm_cvtsi32_si128(shift));
+  const __m512i spread = _mm512_shuffle_epi8(
+      low_byte, _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000));
+  const __mmask64 set = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(0x08040201));
+  return _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10));
+}
+
 // Rows m0 .. m0 + MB - 1 of the output, outputs o0 .. o0 + 31 (one group at wg). Each output's
 // integer sum of a block (or a part) runs in C chains (two where there are too few rows to hide
 // vpdpbusd's latency), added at its end: integers, so the order does not change the bits.
@@ -109,6 +121,10 @@ void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
       }
     }
     const uint8_t* ints = blk + f.header();
+    __m512i words[2];  // the fifth bits of the 5-bit formats, per half
+    if constexpr (f.high_bits) {
+      for (int h = 0; h < 2; ++h) words[h] = _mm512_loadu_si512(ints + 512 + 64 * h);
+    }
     for (int part = 0; part < f.parts; ++part) {
       __m512i sums[MB][2][C];  // [row][half][chain]
       for (int i = 0; i < MB; ++i) {
@@ -125,6 +141,10 @@ void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
             const __m512i u = _mm512_loadu_si512(ints + (h * 4 + s) * 64);
             first[h] = _mm512_and_si512(u, low);
             second[h] = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+            if constexpr (f.high_bits) {
+              first[h] = _mm512_or_si512(first[h], fifth_bits(words[h], 4 * s));
+              second[h] = _mm512_or_si512(second[h], fifth_bits(words[h], 16 + 4 * s));
+            }
           } else {
             first[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s) * 64);
             second[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s + 1) * 64);

@@ -88,6 +88,18 @@ inline __m256 scales8(const uint8_t* blk, int a, int h, int v) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
 }
 
+// 0x10 in byte b of each 32-bit lane where bit shift + b of the lane's word is set (see
+// linear_q.cpp's fifth_bits).
+inline __m256i fifth_bits(__m256i words, int shift) {
+  const __m256i low_byte = _mm256_srl_epi32(words, _mm_cvtsi32_si128(shift));
+  const __m256i spread = _mm256_shuffle_epi8(
+      low_byte, _mm256_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808,
+                                 0x04040404, 0));
+  const __m256i bit = _mm256_set1_epi32(0x08040201);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 // Rows m0 .. m0 + MB - 1, outputs o0 + 16 h .. o0 + 16 h + 15 (half h of the group at wg).
 template <int64_t Kind, int MB>
 void half_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0, int h) {
@@ -115,6 +127,12 @@ void half_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0, int 
                 reinterpret_cast<const __m256i*>(ints + (h * 4 + s) * 64 + 32 * v));
             first = _mm256_and_si256(u, low);
             second = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+            if constexpr (f.high_bits) {
+              const __m256i words = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(ints + 512 + 64 * h + 32 * v));
+              first = _mm256_or_si256(first, fifth_bits(words, 4 * s));
+              second = _mm256_or_si256(second, fifth_bits(words, 16 + 4 * s));
+            }
           } else {
             // Q8_0's bytes are stored as q + 128: flipping the top bit gives the signed byte back
             const __m256i top = _mm256_set1_epi8(signed_bytes ? static_cast<char>(0x80) : 0);

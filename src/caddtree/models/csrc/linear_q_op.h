@@ -43,8 +43,11 @@ struct Format {
   bool with_min;       // the second array is a minimum added as m * (dx * s)
   int parts;           // 2: the second array scales columns 16..31 (each half its own offset sum)
   int32_t offset;      // subtracted from each integer: sum(u * q) - offset * s
+  bool high_bits;      // nibbles plus a fifth bit per integer (a 32-bit word per output, 128 bytes)
   constexpr int64_t header() const { return int64_t{32} * arrays * scale_bytes; }
-  constexpr int64_t bytes() const { return header() + (nibbles ? 512 : 1024); }
+  constexpr int64_t bytes() const {
+    return header() + (nibbles ? 512 : 1024) + (high_bits ? 128 : 0);
+  }
 };
 
 constexpr bool known_kind(int64_t kind) {
@@ -54,14 +57,14 @@ constexpr bool known_kind(int64_t kind) {
 
 constexpr Format format(int64_t kind) {
   switch (kind) {
-    case kQ4_0: return {true, 1, 2, false, 1, 8};
-    case kQ4_1: return {true, 2, 2, true, 1, 0};
-    case kQ5_0: return {false, 1, 2, false, 1, 16};
-    case kQ5_1: return {false, 2, 2, true, 1, 0};
-    case kQ8_0: return {false, 1, 2, false, 1, 128};
-    case kQ4_K: return {true, 2, 4, true, 1, 0};
-    case kQ5_K: return {false, 2, 4, true, 1, 0};
-    default: return {false, 2, 4, false, 2, 32};  // kQ6_K
+    case kQ4_0: return {true, 1, 2, false, 1, 8, false};
+    case kQ4_1: return {true, 2, 2, true, 1, 0, false};
+    case kQ5_0: return {true, 1, 2, false, 1, 16, true};
+    case kQ5_1: return {true, 2, 2, true, 1, 0, true};
+    case kQ8_0: return {false, 1, 2, false, 1, 128, false};
+    case kQ4_K: return {true, 2, 4, true, 1, 0, false};
+    case kQ5_K: return {true, 2, 4, true, 1, 0, true};
+    default: return {false, 2, 4, false, 2, 32, false};  // kQ6_K
   }
 }
 
