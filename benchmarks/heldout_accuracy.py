@@ -90,8 +90,8 @@ def main() -> None:
         for k in range(0, len(held_ids), 2):
             loss, stats = trainer.batch_loss(held_ids[k : k + 2], generator)
             totals["loss"] += loss.item()
-            totals["top1"] += stats["top1"]
-            totals["chain"] += stats["accept"]
+            totals["top1"] += float(stats["top1"])
+            totals["chain"] += float(stats["accept"])
             batches += 1
     print(
         f"{args.drafter or args.run}: {len(held_ids)} held-out samples x {args.anchors} blocks: "

@@ -1,13 +1,14 @@
 """Seconds per drafter-training step on the built-in target, on synthetic data of realistic shape.
 
     python benchmarks/train_step.py [--layers 1] [--precision bfloat16] [--coverage 0.99]
-                                    [--steps 8] [--src PATH]
+                                    [--steps 8] [--compile] [--src PATH]
 
 It builds 64 random sequences shaped like the built-in pair's training data (prompts of 40-160
 tokens, responses of 120-256, tokens drawn from the 8,000 lowest ids so a 99% draft vocabulary
 has about 8k entries), random bfloat16 context features, and runs ``--steps`` steps of
 ``caddtree.train.train_drafter`` (4 samples x 32 anchor blocks per step, the defaults). It prints
-the median ``step_s`` of the training log after two warm-up steps.
+the median ``step_s`` of the training log after two warm-up steps, and the anchor blocks trained
+per second it makes. ``--compile`` compiles the forward (its compilation falls in the warm-up).
 
 ``--src PATH`` imports caddtree from another source tree (for example a checkout of an older
 commit), so the same script times the trainer before and after a change. Options the older
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=["bfloat16", "float32"])
     parser.add_argument("--coverage", type=float, help="draft vocabulary coverage (default: none)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the forward")
     parser.add_argument("--src", help="import caddtree from this source tree instead")
     args = parser.parse_args()
     if args.src:
@@ -53,8 +55,12 @@ def main() -> None:
         prompt_lengths.append(p)
         features.append(torch.randn(p + r, 3 * hidden, generator=g).to(torch.bfloat16))
     extra = {}
+    if "log_every" in TrainConfig.__dataclass_fields__:
+        extra["log_every"] = 1  # every step's own time (a CPU step is synchronous anyway)
     if args.precision:
         extra["precision"] = args.precision
+    if args.compile:
+        extra["compile"] = True
     if args.coverage:
         extra["draft_vocab_coverage"] = args.coverage
     config = TrainConfig(
@@ -81,9 +87,11 @@ def main() -> None:
     times = [entry["step_s"] for entry in log[2:]]
     settings = f"{args.layers} layer(s), precision {args.precision or 'default'}, coverage "
     settings += f"{args.coverage or 'none (full vocabulary)'}"
+    step = statistics.median(times)
+    blocks = config.samples_per_step * config.anchors_per_sample
     print(
-        f"{settings}: median {statistics.median(times):.3f} s/step over {len(times)} steps "
-        f"({torch.get_num_threads()} threads)"
+        f"{settings}: median {step:.3f} s/step over {len(times)} steps, "
+        f"{blocks / step:.1f} blocks/s ({torch.get_num_threads()} threads)"
     )
 
 

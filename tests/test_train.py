@@ -433,17 +433,18 @@ def test_dpace_weights_are_each_positions_share_of_the_accepted_length():
     # one block of four positions: confidences 0.5, 1, 0.25, and a label outside the vocabulary
     valid = torch.tensor([[True, True, True, False]])
     q = torch.tensor([0.5, 1.0, 0.25])
-    w = dpace_weights(-torch.log(q), valid, alpha=0.5)
+    ce = torch.cat([-torch.log(q), torch.tensor([7.0])])[None]  # the last is not read
+    w = dpace_weights(ce, valid, alpha=0.5)
     s = 0.5 * q + 0.5  # smoothed: 0.75, 1.0, 0.625
     reach = [s[0], s[0] * s[1], s[0] * s[1] * s[2]]  # chance to reach past each position
     expected = [reach[0] + reach[1] + reach[2], reach[1] + reach[2], reach[2], 0.0]
     assert torch.allclose(w, torch.tensor([expected]))
     # alpha = 1 ignores the confidences: position j weighs the positions left from it
-    w1 = dpace_weights(-torch.log(q), valid, alpha=1.0)
+    w1 = dpace_weights(ce, valid, alpha=1.0)
     assert torch.equal(w1, torch.tensor([[3.0, 2.0, 1.0, 0.0]]))
     # an invalid position ends the chain: nothing after it is weighed
     gap = torch.tensor([[True, False, True]])
-    assert dpace_weights(torch.zeros(2), gap, 0.5).tolist() == [[1.0, 0.0, 0.0]]
+    assert dpace_weights(torch.zeros(1, 3), gap, 0.5).tolist() == [[1.0, 0.0, 0.0]]
 
 
 def test_dpace_weighting_trains_and_is_kept_on_resume(target, data, tmp_path):
@@ -567,3 +568,129 @@ def test_a_float32_step_scores_with_a_float32_copy_of_a_half_precision_head(targ
     assert training_precision("bfloat16", "cpu") == "bfloat16"
     fast = torch.cpu._is_avx512_bf16_supported()
     assert training_precision("auto", "cpu") == ("bfloat16" if fast else "float32")
+
+
+def reference_loss(loss: AnchorBlockLoss, sample_ids, anchors):
+    """The loss as the trainer computed it before its batches were built on the device: the
+    batch from :func:`build_training_batch` (an additive mask, features copied from the host),
+    the head on the scored rows only, the position-weighted mean of their cross-entropies."""
+    drafter, cfg = loss.drafter, loss.config
+    seqs = [loss.data.sequences[i] for i in sample_ids]
+    dtype = drafter.fc.weight.dtype
+    batch = build_training_batch(seqs, anchors, cfg.block_size, drafter.mask_token_id, dtype)
+    T = batch["position_ids"].shape[1] - batch["block_tokens"].shape[1]
+    hidden_in = torch.zeros((len(seqs), T, drafter.fc.in_features), dtype=dtype)
+    for r, i in enumerate(sample_ids):
+        n = seqs[r].shape[0]
+        hidden_in[r, :n] = loss.bank.features[int(loss.bank.starts[i]) :][:n].to(dtype)
+    hidden = drafter(
+        noise_embedding=loss.embed(batch["block_tokens"]).to(dtype),
+        target_hidden=hidden_in,
+        position_ids=batch["position_ids"],
+        attention_mask=batch["attention_mask"],
+    )
+    b, M, B = len(seqs), batch["labels"].shape[1], cfg.block_size
+    hidden = hidden.view(b, M, B, -1)[:, :, 1:]
+    labels = batch["labels"]
+    valid = labels >= 0
+    ce = torch.nn.functional.cross_entropy(
+        loss.lm_head(hidden[valid]).float(), labels[valid], reduction="none"
+    )
+    weights = loss.position_weights.expand(valid.shape)[valid]
+    return (weights * ce).sum() / weights.sum()
+
+
+def test_the_device_batches_give_the_loss_and_gradients_of_the_host_batches(target, data):
+    """The same blocks (a short sample among them, so that padding blocks are built) give the
+    same loss and gradients as the host-built batches the trainer used before (a float64
+    drafter; the logits are float32 in both, as the trainer has them)."""
+    feats = compute_features(target, data, list(FEATURE_LAYER_IDS), progress=False)
+    model = new_drafter(target)
+    cfg = train_config(block_size=model.block_size)
+    loss = AnchorBlockLoss(model, target, feats, data, cfg, torch.device("cpu"))
+    ids = [3, 0, 7]
+
+    def response_positions(i, picks):
+        positions = torch.arange(data.prompt_lengths[i], len(data.sequences[i]) - 1)
+        return positions[torch.tensor(picks).clamp(max=len(positions) - 1)].unique()
+
+    # the short one: one block where the others have 5 (its other 4 are padding)
+    anchors = [response_positions(3, [0, 3, 4, 10, 99]), response_positions(0, [2])]
+    anchors.append(response_positions(7, [1, 2, 3, 15, 16]))
+    expected = reference_loss(loss, ids, anchors)
+    expected.backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    value, stats = loss.batch_loss(ids, None, anchors)
+    value.backward()
+    assert torch.allclose(value, expected, rtol=1e-6, atol=0), (value, expected)
+    for name, param in model.named_parameters():
+        scale = reference_grads[name].abs().max()
+        assert torch.allclose(param.grad, reference_grads[name], rtol=1e-5, atol=1e-6 * scale), name
+    assert 0 <= float(stats["accept"]) <= cfg.block_size - 1
+
+
+def test_device_anchors_are_distinct_sorted_response_positions(target, data):
+    from caddtree.train.batch import SampleBank, length_buckets, random_anchors
+
+    feats = [torch.zeros(len(s), 4) for s in data.sequences]
+    bank = SampleBank(
+        data.sequences, data.prompt_lengths, feats, torch.device("cpu"), torch.float32
+    )
+    ids = torch.tensor([0, 5, 9])
+    anchors, real = random_anchors(bank, ids, 8, torch.Generator().manual_seed(1))
+    for row, keep, i in zip(anchors, real, ids.tolist()):
+        picked = row[keep]
+        assert len(picked) == min(8, len(data.sequences[i]) - 1 - data.prompt_lengths[i])
+        assert torch.equal(picked, picked.unique())  # sorted and distinct
+        assert picked.min() >= data.prompt_lengths[i] and picked.max() < len(data.sequences[i]) - 1
+    many, real = random_anchors(bank, ids, 200, torch.Generator().manual_seed(1))
+    assert int(real.sum()) == sum(len(data.sequences[i]) - 1 - data.prompt_lengths[i] for i in ids)
+    # a step's samples by length: neighbours in length order
+    lengths = [5, 50, 6, 49, 7, 48]
+    chosen = length_buckets(range(6), lengths, torch.tensor([0.0, 0.1, 0.9]), 3)
+    assert sorted(lengths[i] for i in chosen) == [5, 6, 7] or max(lengths[i] for i in chosen) < 8
+
+
+def test_a_compiled_forward_gives_the_eager_loss_and_gradients(target, data):
+    feats = compute_features(target, data, list(FEATURE_LAYER_IDS), progress=False)
+    model = new_drafter(target).float()
+    ids = [1, 4]
+    anchors = [torch.arange(data.prompt_lengths[i], len(data.sequences[i]) - 1)[:6] for i in ids]
+    results = []
+    for compiled in (False, True):
+        cfg = train_config(block_size=model.block_size, compile=compiled)
+        loss = AnchorBlockLoss(model, target, feats, data, cfg, torch.device("cpu"))
+        value, _ = loss.batch_loss(ids, None, anchors)
+        value.backward()
+        results.append((value.detach(), model.fc.weight.grad.clone()))
+        model.zero_grad()
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    assert torch.allclose(eager, compiled, rtol=1e-4)
+    assert torch.allclose(eager_grad, compiled_grad, rtol=1e-3, atol=1e-5 * eager_grad.abs().max())
+
+
+def test_a_deadline_ends_the_call_and_the_schedule_in_time(target, data, tmp_path):
+    import time
+
+    saved = []
+    cfg = train_config(steps=10**6, log_every=2, save_every=10**6, eval_every=10**6)
+    began = time.monotonic()
+    last = train_drafter(
+        target,
+        data,
+        tmp_path,
+        cfg,
+        resume=False,
+        progress=False,
+        deadline=began + 3.0,
+        on_checkpoint=saved.append,
+    )
+    took = time.monotonic() - began
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert took < 3.0 + 2 * max(e["step_s"] for e in log) + 1.0  # a window's overrun at most
+    assert last["step"] == len(log) >= 2 and cfg.steps == len(log)  # the schedule ended there
+    assert last["lr"] < 0.2 * cfg.learning_rate  # its cosine ran to its floor (a tenth)
+    assert saved == [tmp_path / "checkpoint"]
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert state["config"]["steps"] == len(log)

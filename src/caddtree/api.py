@@ -374,6 +374,11 @@ class SpeculativeGenerator:
         profiled once (with a progress bar) and cached. Says on stderr which of the two happened."""
         from .profiles import cached_profile, cost_ident
 
+        if self.proposer is None:
+            raise InvalidInputError(
+                "a cost model times the drafter's pass too, and this generator has no drafter: "
+                "load it with one (from_pretrained(target, draft))"
+            )
         ident = {**cost_ident(self), "grid": {k: str(v) for k, v in sorted(kwargs.items())}}
 
         def profile() -> CostModel:

@@ -122,6 +122,8 @@ def _train_config(args: argparse.Namespace) -> Any:
         seed=args.seed,
         save_every=args.save_every,
         eval_every=args.eval_every,
+        log_every=args.log_every,
+        compile=args.compile,
         draft_vocab_coverage=args.draft_vocab_coverage or None,
         precision=training_precision(args.precision, args.device),
         loss_weighting=args.loss_weighting,
@@ -503,6 +505,17 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the drafter's training forward (torch.compile; a minute or so first)",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="steps whose log entries are read back from the device at once (default 10)",
+    )
     p.add_argument(
         "--draft-vocab-coverage",
         type=float,

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,59 @@ class TrainingData:
 
 
 @torch.inference_mode()
+def engine_responses(
+    target: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    done: dict[int, list[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    stop_token_ids: Sequence[int] = (),
+    may_start: Callable[[float], bool] = lambda seconds: True,
+    after_round: Callable[[dict[int, list[int]]], None] | None = None,
+) -> None:
+    """Greedy responses of ``target`` by caddtree's batched decoder on the lean runtime
+    (continuous batching of plain greedy rounds), into ``done`` by prompt index as they finish.
+    ``may_start(seconds)`` says whether work that takes that long may start (a round; a prompt
+    joins only while a whole response's rounds may): a caller's deadline; prompts not started
+    are left out. ``after_round`` gets ``done`` after every round."""
+    from ..engine.batching import BatchDecoder
+    from ..engine.decoding import make_policy
+    from ..engine.requests import GenerationRequest
+    from ..models.lean import LeanTarget
+
+    if not prompt_ids:
+        return
+    device = target.get_input_embeddings().weight.device
+    lean = LeanTarget(target, (0,), pack=device.type == "cpu", progress=False)
+    try:
+        capacity = max(len(p) for p in prompt_ids) + max_new_tokens + 2
+        decoder = BatchDecoder(lean, None, max_batch=batch_size, capacity=capacity)
+        stops, policy = frozenset(int(t) for t in stop_token_ids), make_policy("ar")
+        waiting, index = deque(range(len(prompt_ids))), {}
+        round_s = 0.0
+        while (waiting or decoder.running) and may_start(round_s):
+            while waiting and decoder.has_room() and may_start(round_s * max_new_tokens):
+                i = waiting.popleft()
+                request = GenerationRequest(
+                    prompt_ids[i], policy, max_new_tokens, stop_token_ids=stops
+                )
+                index[id(request)] = i
+                if decoder.add(request).stop_reason is not None:
+                    done[i] = list(request.output)
+            if not decoder.running:
+                break
+            began = time.perf_counter()
+            for request in decoder.step():
+                done[index[id(request)]] = list(request.output)
+            took = time.perf_counter() - began
+            round_s = 0.9 * round_s + 0.1 * took if round_s else took  # a moving average
+            if after_round is not None:
+                after_round(done)
+    finally:
+        lean.release()  # the cache's memory
+
+
 def generate_responses(
     target: Any,
     prompt_ids: Sequence[Sequence[int]],
@@ -82,11 +137,67 @@ def generate_responses(
     stop_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
     progress: bool = True,
+    generator: str = "auto",
 ) -> TrainingData:
-    """Greedy responses of ``target`` to every prompt, generated in left-padded batches.
+    """Greedy responses of ``target`` to every prompt, in the input order. ``generator``:
+    ``"engine"``, caddtree's batched decoder (:func:`engine_responses`, ``batch_size`` requests
+    at once); ``"hf"``, transformers' ``generate`` in left-padded batches of prompts sorted by
+    length; ``"auto"``, the engine where the lean runtime runs the target, else ``"hf"``."""
+    if generator == "auto":
+        from ..models.lean import lean_unsupported
 
-    Prompts are sorted by length so batches pad little; the result keeps the input order.
-    """
+        generator = "engine" if lean_unsupported(target) is None else "hf"
+    if generator == "engine":
+        done: dict[int, list[int]] = {}
+        with _progress_bar(len(prompt_ids), progress) as bar:
+            engine_responses(
+                target,
+                prompt_ids,
+                done,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                stop_token_ids=stop_token_ids,
+                after_round=lambda made: bar.update(len(made) - bar.n),
+            )
+        return _training_data(prompt_ids, done, max_new_tokens, generator)
+    if generator != "hf":
+        raise InvalidInputError(f"unknown generator {generator!r}: use auto, engine or hf")
+    return _hf_responses(
+        target, prompt_ids, max_new_tokens, batch_size, stop_token_ids, pad_token_id, progress
+    )
+
+
+def _progress_bar(total: int, progress: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generating responses", unit="prompt", disable=not progress)
+
+
+def _training_data(
+    prompt_ids: Sequence[Sequence[int]],
+    responses: dict[int, list[int]],
+    max_new_tokens: int,
+    generator: str,
+) -> TrainingData:
+    seqs = [
+        torch.tensor(list(prompt_ids[i]) + responses[i], dtype=torch.long)
+        for i in range(len(prompt_ids))
+    ]
+    meta = {"max_new_tokens": max_new_tokens, "generator": generator}
+    return TrainingData(seqs, [len(p) for p in prompt_ids], meta)
+
+
+def _hf_responses(
+    target: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    progress: bool,
+) -> TrainingData:
+    """transformers' greedy ``generate`` in left-padded batches, prompts sorted by length so
+    batches pad little."""
     from tqdm.auto import tqdm
 
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
@@ -119,11 +230,7 @@ def generate_responses(
             responses[i] = resp[:cut]
         bar.update(len(idx))
     bar.close()
-    seqs = [
-        torch.tensor(list(prompt_ids[i]) + responses[i], dtype=torch.long)
-        for i in range(len(prompt_ids))
-    ]
-    return TrainingData(seqs, [len(p) for p in prompt_ids], {"max_new_tokens": max_new_tokens})
+    return _training_data(prompt_ids, responses, max_new_tokens, "hf")
 
 
 def chat_prompt_ids(tokenizer: Any, prompt: str | Sequence[dict[str, str]]) -> list[int]:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..models.dflash import draft_lm_head
+from .batch import SampleBank, anchors_from_lists, block_batch, random_anchors
 
 __all__ = [
     "LK_FLOOR",
@@ -32,6 +33,7 @@ __all__ = [
     "distribution_terms",
     "dpace_weights",
     "evaluate",
+    "host_stats",
     "lk_term",
 ]
 
@@ -88,8 +90,8 @@ def build_training_batch(
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D-PACE position weights [..., B-1] (arXiv 2605.18810) from the cross-entropies ``ce`` of
-    the ``valid`` positions (flat, in the order of ``valid``'s True entries).
+    """D-PACE position weights [..., B-1] (arXiv 2605.18810) from the cross-entropies ``ce``
+    [..., B-1] of the block positions (read where ``valid``).
 
     With ``q = exp(-ce)`` the drafter's probability of the label, smoothed to
     ``q~ = (1 - alpha) q + alpha``, position ``j`` weighs ``sum_{m >= j} prod_{i <= m} q~_i``:
@@ -97,8 +99,7 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
     position (past the sequence, or a label outside the draft vocabulary) ends the chain, as it
     does when decoding. Weights carry no gradient.
     """
-    q = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
-    q[valid] = (1 - alpha) * torch.exp(-ce.float()) + alpha
+    q = torch.where(valid, (1 - alpha) * torch.exp(-ce.float()) + alpha, 0.0)
     reach = torch.cumprod(q, dim=-1)
     return reach.flip(-1).cumsum(-1).flip(-1) * valid
 
@@ -117,6 +118,38 @@ def lk_term(accept: torch.Tensor) -> torch.Tensor:
 
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (weights * values).sum() / weights.sum()
+
+
+def _on_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host integers as a long tensor on ``device`` (pinned and copied without waiting on a GPU)."""
+    host = torch.tensor(list(values), dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _pad_blocks(value: torch.Tensor, M: int) -> torch.Tensor:
+    """``value`` [b, m, ...] with zero blocks added up to ``M``."""
+    missing = M - value.shape[1]
+    if missing <= 0:
+        return value
+    return torch.cat([value, value.new_zeros((value.shape[0], missing, *value.shape[2:]))], 1)
+
+
+def host_stats(stats: dict) -> dict:
+    """A batch's statistics (:meth:`AnchorBlockLoss.batch_loss`) read back: floats, and the
+    per-position sums as CPU tensors."""
+    out = {k: float(v) for k, v in stats.items() if k != "by_position"}
+    out["by_position"] = {k: v.cpu() for k, v in stats["by_position"].items()}
+    return out
+
+
+def _anchor_lists(anchors: tuple[torch.Tensor, torch.Tensor] | Sequence[torch.Tensor]):
+    """Anchors as one tensor per sample on the host (for the stored target distributions)."""
+    if not isinstance(anchors, tuple):
+        return list(anchors)
+    padded, real = (t.cpu() for t in anchors)
+    return [row[keep] for row, keep in zip(padded, real)]
 
 
 def distribution_terms(
@@ -163,17 +196,18 @@ def _block_stats(
     run = torch.cumprod((correct | ~in_range).float(), dim=-1) * in_range.float()
     blocks = in_range[..., 0]
     by_position = {
-        "count": in_range.sum((0, 1)).cpu(),
-        "top1": (correct & in_range).sum((0, 1)).cpu(),
+        "count": in_range.sum((0, 1)),
+        "top1": (correct & in_range).sum((0, 1)),
     }
     if terms is not None:
         for name in ("accept", "slack"):
             full = torch.zeros(in_range.shape, dtype=terms[name].dtype, device=in_range.device)
             full[rows] = terms[name].detach()
-            by_position[name] = full.sum((0, 1)).cpu()
+            by_position[name] = full.sum((0, 1))
+    count = blocks.sum().clamp(min=1)
     return {
-        "top1": correct[..., 0][blocks].float().mean().item(),
-        "accept": run.sum(-1)[blocks].mean().item(),
+        "top1": (correct[..., 0] & blocks).sum() / count,
+        "accept": (run.sum(-1) * blocks).sum() / count,
         "by_position": by_position,
     }
 
@@ -187,6 +221,8 @@ class AnchorBlockLoss:
 
     def __init__(self, drafter, target, features, data, config, device, targets=None):
         self.drafter, self.config, self.device = drafter, config, device
+        # the module that runs the forward: the drafter, or its compiled form (same parameters)
+        self.forward = torch.compile(drafter, dynamic=True) if config.compile else drafter
         self.targets = targets  # the target's next-token top-k (TargetDistributions), or None
         self.embed = target.get_input_embeddings()
         self.embed.requires_grad_(False)
@@ -203,7 +239,9 @@ class AnchorBlockLoss:
             vocab = int(target.config.get_text_config().vocab_size)
             self.label_map = torch.full((vocab,), -100, dtype=torch.long, device=device)
             self.label_map[ids.to(device)] = torch.arange(ids.numel(), device=device)
-        self.features, self.data = features, data
+        self.data = data
+        dtype = features[0].dtype if features else torch.bfloat16
+        self.bank = SampleBank(data.sequences, data.prompt_lengths, features, device, dtype)
         B = config.block_size
         self.position_weights = torch.exp(
             -torch.arange(B - 1, dtype=torch.float32) / config.gamma
@@ -214,51 +252,52 @@ class AnchorBlockLoss:
             self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bfloat16"
         )
 
-    def _block_hidden(self, sample_ids: Sequence[int], anchors: Sequence[torch.Tensor]):
-        """One drafter forward over the blocks at ``anchors`` (one sorted tensor per sample):
-        the hidden states of block positions ``1 .. B-1`` [b, M, B-1, H], their labels in draft
-        ids [b, M, B-1] (``-100`` past the sequence or outside the draft vocabulary), and where
-        the labels are inside the sequence."""
+    def _block_hidden(
+        self,
+        sample_ids: Sequence[int],
+        anchors: Sequence[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+    ):
+        """One drafter forward over the blocks at ``anchors`` (one sorted tensor per sample, or
+        padded anchors and which are real, as :func:`~caddtree.train.batch.random_anchors`
+        gives them): the hidden states of block positions ``1 .. B-1`` [b, M, B-1, H], their
+        labels in draft ids [b, M, B-1] (``-100`` past the sequence, for padding blocks or
+        outside the draft vocabulary), and where the labels are inside the sequence."""
         cfg, dev = self.config, self.device
-        seqs = [self.data.sequences[i] for i in sample_ids]
+        if not isinstance(anchors, tuple):
+            anchors = anchors_from_lists(anchors, dev)
+        ids = _on_device(sample_ids, dev)
+        T = self.bank.context_length(sample_ids)
+        batch = block_batch(self.bank, ids, T, *anchors, cfg.block_size, self.drafter.mask_token_id)
         dtype = self.drafter.fc.weight.dtype
-        batch = build_training_batch(
-            seqs, anchors, cfg.block_size, self.drafter.mask_token_id, dtype
-        )
-        T = batch["position_ids"].shape[1] - batch["block_tokens"].shape[1]
-        width = self.drafter.fc.in_features
-        hidden_in = torch.zeros((len(seqs), T, width), dtype=dtype)
-        for r, i in enumerate(sample_ids):
-            feats = self.features[i]
-            hidden_in[r, : feats.shape[0]] = feats.to(dtype)
-        labels = batch["labels"].to(dev)  # [b, M, B-1], target ids
+        labels = batch.labels  # [b, M, B-1], target ids
         in_range = labels >= 0
         if self.label_map is not None:
             labels = torch.where(in_range, self.label_map[labels.clamp(min=0)], labels)
+        # under bfloat16 autocast a float32 drafter takes bfloat16 inputs as they are (its
+        # matmuls run in bfloat16 anyway); anything else is cast to the drafter's dtype
+        as_is = cfg.precision == "bfloat16" and dtype == torch.float32
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t if as_is and t.dtype == torch.bfloat16 else t.to(dtype)
+
         with self._autocast():
-            noise = self.embed(batch["block_tokens"].to(dev)).to(dtype)
-            hidden = self.drafter(
+            noise = cast(self.embed(batch.block_tokens))
+            hidden = self.forward(
                 noise_embedding=noise,
-                target_hidden=hidden_in.to(dev),
-                position_ids=batch["position_ids"].to(dev),
-                attention_mask=batch["attention_mask"].to(dev),
+                target_hidden=cast(batch.features),
+                position_ids=batch.position_ids,
+                attention_mask=batch.attention_mask,
             )
         b, M, B = labels.shape[0], labels.shape[1], cfg.block_size
         return hidden.view(b, M, B, -1)[:, :, 1:], labels, in_range
 
     def _random_anchors(
         self, sample_ids: Sequence[int], generator: torch.Generator | None
-    ) -> list[torch.Tensor]:
-        """``anchors_per_sample`` random response positions of each sample (sorted), at most as
-        many as it has."""
-        anchors = []
-        for i in sample_ids:
-            P, T = self.data.prompt_lengths[i], self.data.sequences[i].shape[0]
-            candidates = torch.arange(P, T - 1)
-            M = min(self.config.anchors_per_sample, candidates.numel())
-            perm = torch.randperm(candidates.numel(), generator=generator)[:M]
-            anchors.append(candidates[perm].sort().values)
-        return anchors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``anchors_per_sample`` random response positions of each sample (sorted, drawn on
+        the device), at most as many as it has: padded anchors and which are real."""
+        ids = _on_device(sample_ids, self.device)
+        return random_anchors(self.bank, ids, self.config.anchors_per_sample, generator)
 
     def _weights(self, ce: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The position weights of every block position [b, M, B-1] (zero where D-PACE's chain
@@ -278,31 +317,32 @@ class AnchorBlockLoss:
         ``ce_weight`` x the weighted cross-entropy of the positions whose label is in the draft
         vocabulary, plus (with the target's distributions) ``l1_weight`` x the weighted L1 and
         ``lk_weight`` x the weighted LK term of every position inside the sequence
-        (:func:`distribution_terms`). Returns the loss and the batch's statistics."""
+        (:func:`distribution_terms`). Returns the loss and the batch's statistics, as tensors
+        on the device (read them when they are logged: reading is a host synchronisation).
+
+        ``generator`` draws the anchors; it must be a generator of the training device."""
         cfg = self.config
-        if anchors is None:
-            anchors = self._random_anchors(sample_ids, generator)
-        hidden, labels, in_range = self._block_hidden(sample_ids, anchors)
+        drawn = self._random_anchors(sample_ids, generator) if anchors is None else anchors
+        hidden, labels, in_range = self._block_hidden(sample_ids, drawn)
         valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
-        # the rows the lm_head scores: those with a label, or with the target's distribution
-        rows = valid if self.targets is None else in_range
         with self._autocast():
-            logits = self.lm_head(hidden[rows].to(self.lm_head.weight.dtype)).float()
-        scored = valid[rows]
-        ce = torch.nn.functional.cross_entropy(logits[scored], labels[valid], reduction="none")
+            logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        ce = torch.nn.functional.cross_entropy(
+            logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none"
+        ).view(labels.shape)
         weights = self._weights(ce, valid)
-        loss = cfg.ce_weight * _weighted_mean(ce, weights[valid])
+        loss = cfg.ce_weight * _weighted_mean(ce, weights * valid)
         terms = None
         if self.targets is not None:
-            terms = self._distribution_terms(logits, sample_ids, anchors, rows)
-            loss = loss + self._distribution_loss(terms, weights[rows])
+            lists = _anchor_lists(drawn)
+            terms = self._distribution_terms(logits[in_range], sample_ids, lists, in_range)
+            loss = loss + self._distribution_loss(terms, weights[in_range])
         with torch.no_grad():
-            correct = torch.zeros_like(labels, dtype=torch.bool)
-            correct[valid] = logits[scored].argmax(-1) == labels[valid]
-            stats = _block_stats(correct, in_range, rows, terms)
+            correct = (logits.argmax(-1) == labels) & valid
+            stats = _block_stats(correct, in_range, in_range, terms)
             if terms is not None:
-                stats["ce"] = _weighted_mean(ce, weights[valid]).item()
-                stats["l1"] = _weighted_mean(terms["l1"], weights[rows]).item()
+                stats["ce"] = _weighted_mean(ce, weights * valid)
+                stats["l1"] = _weighted_mean(terms["l1"], weights[in_range])
         return loss, stats
 
     def _distribution_terms(
@@ -317,7 +357,10 @@ class AnchorBlockLoss:
         stored = self.targets.for_blocks(
             sample_ids, anchors, self.data.prompt_lengths, self.config.block_size
         )
-        picked = {name: value.to(self.device)[rows] for name, value in stored.items()}
+        picked = {
+            name: _pad_blocks(value, rows.shape[1]).to(self.device)[rows]
+            for name, value in stored.items()
+        }
         return distribution_terms(torch.log_softmax(logits, dim=-1), **picked)
 
     def _distribution_loss(self, terms: dict[str, torch.Tensor], weights: torch.Tensor):
@@ -407,12 +450,12 @@ def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict:
     alone (the mean of ``slack``, :func:`distribution_terms`), and the loss's two parts
     (``eval_ce``, ``eval_l1``)."""
     loss.drafter.eval()
-    g = torch.Generator().manual_seed(seed + 17)
+    g = torch.Generator(device=loss.device).manual_seed(seed + 17)
     batches = []
     size = loss.config.samples_per_step
     for k in range(0, len(eval_ids), size):
         value, stats = loss.batch_loss(eval_ids[k : k + size], g)
-        batches.append({**stats, "loss": value.item()})
+        batches.append({**host_stats(stats), "loss": value.item()})
     rounds, tree_rounds = [], []
     for i in eval_ids[:WALK_SAMPLES]:
         chain, tree = loss.walks(i, [None, WALK_BUDGET])

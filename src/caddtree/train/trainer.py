@@ -21,10 +21,7 @@ import json
 import logging
 import math
 import os
-import signal
-import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +39,8 @@ from ..util.errors import CheckpointError, InvalidInputError
 from ..util.files import atomic_write_text, recover_directory, replace_directory
 from .data import TrainingData, choose_draft_vocab, describe_differences, split_samples
 from .features import cached_pass
-from .loss import AnchorBlockLoss, evaluate
+from .loss import AnchorBlockLoss
+from .steps import Loop, run_steps
 from .targets import DEFAULT_TOPK, TopKSpec
 
 __all__ = [
@@ -84,11 +82,17 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     save_every: int = 100
+    # steps whose log entries are read back from the device at once (one synchronisation per
+    # this many steps; their step_s is the window's mean)
+    log_every: int = 10
     eval_fraction: float = 0.05  # samples held out to report acceptance-like accuracy
     # Draft vocabulary: the smallest set of most frequent response tokens that covers this share
     # of response tokens (plus the stop tokens); None trains over the target's whole vocabulary.
     draft_vocab_coverage: float | None = None
     precision: str = "float32"  # or "bfloat16": autocast of the forward (weights stay float32)
+    # compile the drafter's training forward with torch.compile (inductor): fused element-wise
+    # work, after a compilation of about a minute on a small CPU
+    compile: bool = False
     # The loss: ce_weight x cross-entropy + l1_weight x L1 (sum |p - q| = 2 TV between the
     # target's and the drafter's distributions over the draft vocabulary) + lk_weight x LK
     # (-log(1 - TV), arXiv 2602.23881), each a position-weighted mean (caddtree.train.loss).
@@ -120,6 +124,7 @@ class TrainConfig:
             "eval_fraction": 0 <= self.eval_fraction < 1,
             "save_every": self.save_every >= 1,
             "eval_every": self.eval_every >= 1,
+            "log_every": self.log_every >= 1,
             "draft_vocab_coverage": self.draft_vocab_coverage is None
             or 0 < self.draft_vocab_coverage <= 1,
             "precision": self.precision in ("float32", "bfloat16"),
@@ -168,14 +173,6 @@ def effective_topk(settings: dict) -> int:
         return k
     distribution = settings.get("l1_weight", 0) > 0 or settings.get("lk_weight", 0) > 0
     return DEFAULT_TOPK if distribution else 0
-
-
-def _lr_at(step: int, config: TrainConfig) -> float:
-    if step < config.warmup_steps:
-        return config.learning_rate * (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _save_checkpoint(
@@ -241,6 +238,8 @@ def train_drafter(
     stop_after: int | None = None,
     stop_token_ids: Sequence[int] = (),
     init_from: str | os.PathLike[str] | None = None,
+    deadline: float | None = None,
+    on_checkpoint: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Train (or resume training) a DFlash drafter for ``target`` on ``data``.
 
@@ -257,6 +256,12 @@ def train_drafter(
     grown with :func:`grow_drafter`), and a fresh optimiser starts. A resumed run
     with the same settings continues exactly as an uninterrupted one would; ``steps`` may change
     on resume, and the learning-rate schedule then follows the new total.
+
+    ``deadline`` (a :func:`time.monotonic` time) ends the call before a step that would not
+    finish by then, at the pace of the last ``log_every`` steps; once that pace is known, a
+    ``steps`` that cannot be reached by the deadline is lowered to what can (saved with the
+    checkpoint), so the schedule ends there. ``on_checkpoint`` is called with the checkpoint's
+    folder after each save (to copy it elsewhere as the run goes).
     """
     config = config or TrainConfig()
     config.validate()
@@ -286,6 +291,7 @@ def train_drafter(
         lr=config.learning_rate,
         weight_decay=config.weight_decay,
         betas=(0.9, 0.95),
+        fused=device.type in ("cpu", "cuda"),  # one kernel for all parameters
     )
     log: list[dict] = []
     start = 0
@@ -299,8 +305,22 @@ def train_drafter(
     # interrupted call are run again, and must not appear twice in the learning curve
     atomic_write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
-    loop = _Loop(trainer, optimizer, train_ids, eval_ids, ckpt, log_path)
-    return _run_steps(loop, log, start, end, progress)
+
+    def write_checkpoint(steps_log: list[dict]) -> None:
+        _save_checkpoint(ckpt, drafter, optimizer, len(steps_log), steps_log, config)
+
+    loop = Loop(
+        trainer,
+        optimizer,
+        train_ids,
+        eval_ids,
+        ckpt,
+        log_path,
+        write_checkpoint,
+        deadline,
+        on_checkpoint,
+    )
+    return run_steps(loop, log, start, end, progress)
 
 
 def _features_and_targets(
@@ -368,76 +388,10 @@ def _drafter_from(init_from: str | os.PathLike[str], config: TrainConfig) -> DFl
     return drafter
 
 
-@dataclass
-class _Loop:
-    """What the training loop works with besides its log."""
-
-    trainer: AnchorBlockLoss
-    optimizer: Any
-    train_ids: Any
-    eval_ids: Any
-    ckpt: Path
-    log_path: Path
-
-
-def _run_steps(
-    loop: _Loop, log: list[dict], start: int, end: int, progress: bool
-) -> dict[str, Any]:
-    """Run steps ``start`` to ``end``, appending each entry to ``log`` and its file and saving a
-    checkpoint every ``save_every`` steps and at the end, or on an interrupt. Returns the last
-    entry."""
-    from tqdm.auto import tqdm
-
-    trainer, optimizer, ckpt = loop.trainer, loop.optimizer, loop.ckpt
-    config, drafter = trainer.config, trainer.drafter
-    bar = tqdm(
-        total=config.steps,
-        initial=start,
-        desc="training drafter",
-        unit="step",
-        disable=not progress,
-    )
-    entry: dict[str, Any] = log[-1] if log else {}
-    previous_handler = _terminate_as_interrupt()
-    try:
-        for step in range(start, end):
-            entry = _train_step(trainer, optimizer, loop.train_ids, loop.eval_ids, step)
-            log.append(entry)
-            with open(loop.log_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(entry) + "\n")
-            bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=f"{entry['train_accept']:.2f}")
-            bar.update(1)
-            if (step + 1) % config.save_every == 0 or step + 1 == end:
-                _save_checkpoint(ckpt, drafter, optimizer, step + 1, log, config)
-    except KeyboardInterrupt:
-        if len(log) > start:
-            _save_checkpoint(ckpt, drafter, optimizer, len(log), log, config)
-            logger.warning("interrupted: saved step %d; run again to resume", len(log))
-        raise
-    finally:
-        bar.close()
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
-    return entry
-
-
-def _terminate_as_interrupt() -> Any:
-    """Make SIGTERM (``kill PID``, a job scheduler's stop) behave like Ctrl-C while training, so
-    a stopped run saves its checkpoint; background jobs started by a shell ignore Ctrl-C's SIGINT.
-    Returns the previous handler (``None`` off the main thread, where handlers cannot be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    return signal.signal(signal.SIGTERM, interrupt)
-
-
 def _resumed_drafter(ckpt: Path, state: dict, config: TrainConfig) -> DFlashDraftModel:
     # The length of the run and how often it reports may change on resume; settings left as
     # None are derived, and come from the checkpoint.
-    free = ("steps", "save_every", "eval_every", "precision")
+    free = ("steps", "save_every", "eval_every", "log_every", "precision", "compile")
     now = {k: v for k, v in asdict(config).items() if k not in free and v is not None}
     # a setting added after the checkpoint was written had its default then
     defaults = asdict(TrainConfig())
@@ -490,36 +444,6 @@ def _new_drafter(
         with torch.no_grad():
             drafter.norm.weight.copy_(0.1 * weight.float())
     return drafter
-
-
-def _train_step(
-    trainer: AnchorBlockLoss, optimizer, train_ids, eval_ids, step: int
-) -> dict[str, Any]:
-    """One optimiser step on ``samples_per_step`` samples drawn with the RNG of ``(seed, step)``."""
-    config, drafter = trainer.config, trainer.drafter
-    t0 = time.perf_counter()
-    step_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-    picks = torch.randint(len(train_ids), (config.samples_per_step,), generator=step_gen).tolist()
-    for group in optimizer.param_groups:
-        group["lr"] = _lr_at(step, config)
-    optimizer.zero_grad(set_to_none=True)
-    loss, stats = trainer.batch_loss([train_ids[j] for j in picks], step_gen)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip).item()
-    optimizer.step()
-    entry = {
-        "step": step + 1,
-        "loss": loss.item(),
-        "train_accept": stats["accept"],
-        "lr": optimizer.param_groups[0]["lr"],
-        "grad_norm": grad_norm,
-        "step_s": round(time.perf_counter() - t0, 3),
-    }
-    if "l1" in stats:  # the loss has the target's distribution: its parts
-        entry.update(train_ce=stats["ce"], train_l1=stats["l1"])
-    if eval_ids and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-        entry.update(evaluate(trainer, eval_ids, config.seed))
-    return entry
 
 
 def _default_mask_token(target: Any, data: TrainingData) -> int:
