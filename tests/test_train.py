@@ -631,7 +631,7 @@ def test_the_device_batches_give_the_loss_and_gradients_of_the_host_batches(targ
 
 
 def test_device_anchors_are_distinct_sorted_response_positions(target, data):
-    from caddtree.train.batch import SampleBank, length_buckets, random_anchors
+    from caddtree.train.batch import SampleBank, by_length, length_buckets, random_anchors
 
     feats = [torch.zeros(len(s), 4) for s in data.sequences]
     bank = SampleBank(
@@ -648,8 +648,10 @@ def test_device_anchors_are_distinct_sorted_response_positions(target, data):
     assert int(real.sum()) == sum(len(data.sequences[i]) - 1 - data.prompt_lengths[i] for i in ids)
     # a step's samples by length: neighbours in length order
     lengths = [5, 50, 6, 49, 7, 48]
-    chosen = length_buckets(range(6), lengths, torch.tensor([0.0, 0.1, 0.9]), 3)
-    assert sorted(lengths[i] for i in chosen) == [5, 6, 7] or max(lengths[i] for i in chosen) < 8
+    ordered = by_length(range(6), lengths)
+    assert ordered == [0, 2, 4, 5, 3, 1]
+    chosen = length_buckets(ordered, torch.tensor([0.0, 0.1, 0.9]), 3)
+    assert chosen == [0, 0, 4]  # the first picks the place, the others within 3 of it
 
 
 def test_a_compiled_forward_gives_the_eager_loss_and_gradients(target, data):

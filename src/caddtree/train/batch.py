@@ -23,6 +23,7 @@ __all__ = [
     "SampleBank",
     "anchors_from_lists",
     "block_batch",
+    "by_length",
     "length_buckets",
     "random_anchors",
 ]
@@ -44,6 +45,7 @@ class SampleBank:
         dtype: torch.dtype,
     ) -> None:
         self.host_lengths = [int(s.shape[0]) for s in sequences]
+        self.longest = max(self.host_lengths, default=0)
         lengths = torch.tensor(self.host_lengths, dtype=torch.long)
         starts = torch.cumsum(lengths, 0) - lengths
         self.device, self.dtype = device, dtype
@@ -98,7 +100,7 @@ def random_anchors(
     T-2``, sorted), drawn on the bank's device: anchors [b, count] and which of them are real
     [b, count] (a sample with fewer positions gets that many; the rest are padding)."""
     lengths, prompts = bank.lengths[ids], bank.prompt_lengths[ids]
-    span = max(max(bank.host_lengths), count)
+    span = max(bank.longest, count)
     pos = torch.arange(span, device=bank.device)
     usable = (pos >= prompts[:, None]) & (pos < lengths[:, None] - 1)
     keys = torch.rand((len(ids), span), device=bank.device, generator=generator)
@@ -169,13 +171,16 @@ def block_batch(
     return BlockBatch(block_tokens.view(b, M * B), positions, mask, labels, features)
 
 
-def length_buckets(
-    sample_ids: Sequence[int], lengths: Sequence[int], picks: torch.Tensor, window: int
-) -> list[int]:
+def by_length(sample_ids: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    """``sample_ids`` ordered by their ``lengths`` (ties by id), for :func:`length_buckets`."""
+    return sorted(sample_ids, key=lambda i: (lengths[i], i))
+
+
+def length_buckets(ordered: Sequence[int], picks: torch.Tensor, window: int) -> list[int]:
     """Samples for a step by length: ``picks`` (uniform random numbers in [0, 1), one per
-    sample of the step) choose, the first a place in ``sample_ids`` ordered by length, the
-    others samples within ``window`` of it, so a step's samples have similar lengths."""
-    ordered = sorted(sample_ids, key=lambda i: (lengths[i], i))
+    sample of the step) choose, the first a place in ``ordered`` (sample ids by length,
+    :func:`by_length`), the others samples within ``window`` of it, so a step's samples have
+    similar lengths."""
     n = len(ordered)
     window = max(1, min(window, n))
     start = min(int(float(picks[0]) * n), n - window)

@@ -170,14 +170,15 @@ def terminate_as_interrupt() -> Any:
 
 
 def train_step(trainer: AnchorBlockLoss, optimizer, train_ids, step: int) -> dict[str, Any]:
-    """One optimiser step on ``samples_per_step`` samples of similar lengths, drawn with the
-    RNG of ``(seed, step)`` (the anchors with a generator of the training device). The entry's
-    figures stay on the device (read back by :class:`_Pending`)."""
+    """One optimiser step on ``samples_per_step`` samples of similar lengths from ``train_ids``
+    (ordered by length, :func:`~caddtree.train.batch.by_length`), drawn with the RNG of
+    ``(seed, step)`` (the anchors with a generator of the training device). The entry's figures
+    stay on the device (read back by :class:`_Pending`)."""
     config, drafter = trainer.config, trainer.drafter
     seed = config.seed * 1_000_003 + step
     picks = torch.rand(config.samples_per_step, generator=torch.Generator().manual_seed(seed))
     window = BUCKET_WINDOW * config.samples_per_step
-    sample_ids = length_buckets(train_ids, trainer.bank.host_lengths, picks, window)
+    sample_ids = length_buckets(train_ids, picks, window)
     anchor_gen = torch.Generator(device=trainer.device).manual_seed(seed)
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, config)

@@ -37,6 +37,7 @@ from ..models.dflash import (
 from ..util.checks import is_int, is_number
 from ..util.errors import CheckpointError, InvalidInputError
 from ..util.files import atomic_write_text, recover_directory, replace_directory
+from .batch import by_length
 from .data import TrainingData, choose_draft_vocab, describe_differences, split_samples
 from .features import cached_pass
 from .loss import AnchorBlockLoss
@@ -285,6 +286,7 @@ def train_drafter(
         cached, targets = _features_and_targets(target, data, drafter, config, out, progress)
         features = cached if features is None else features
     train_ids, eval_ids = split_samples(data, config, out / "split.json")
+    train_ids = by_length(train_ids, [len(s) for s in data.sequences])
     trainer = AnchorBlockLoss(drafter, target, features, data, config, device, targets)
     optimizer = torch.optim.AdamW(
         drafter.parameters(),
