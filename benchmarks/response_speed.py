@@ -13,7 +13,6 @@ tokens and tokens per second.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -33,13 +32,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from caddtree.train.data import chat_prompt_ids, generate_responses
+    from caddtree.train.magpie import read_raw_queries
     from caddtree.util.defaults import default_target_dir
 
     directory = default_target_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, args.dtype))
-    with open(RAW, encoding="utf-8") as fh:
-        queries = [json.loads(line)["query"] for line in fh][: args.prompts]
+    queries = [r["query"] for r in read_raw_queries(RAW)][: args.prompts]
     prompts = [chat_prompt_ids(tokenizer, q) for q in queries]
     for _ in range(args.rounds):
         for generator in ("engine", "hf"):

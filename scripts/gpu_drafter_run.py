@@ -243,6 +243,7 @@ def collect_step(args: argparse.Namespace, root: Path) -> int:
     from transformers import AutoTokenizer
 
     from caddtree.train.data import TrainingData
+    from caddtree.train.magpie import user_messages
     from caddtree.train.prompts import OverlapIndex
     from caddtree.util.defaults import default_target_dir
 
@@ -255,8 +256,7 @@ def collect_step(args: argparse.Namespace, root: Path) -> int:
     keep_seqs, keep_lengths, dropped = [], [], 0
     for part in parts:
         for seq, p in zip(part.sequences, part.prompt_lengths):
-            text = tokenizer.decode(seq[:p].tolist(), skip_special_tokens=True)
-            if index.overlaps(text.strip().removeprefix("user").removesuffix("assistant")):
+            if any(index.overlaps(t) for t in user_messages(tokenizer, seq[:p].tolist())):
                 dropped += 1
                 continue
             keep_seqs.append(seq)

@@ -64,10 +64,13 @@ def quantize_k(weight: np.ndarray, name: str) -> np.ndarray:
 
 
 def _q6_k(w: np.ndarray) -> np.ndarray:
-    """Q6_K from w [n, count, 16, 16]: int8 scales per 16 columns under a float16 d."""
+    """Q6_K from w [n, count, 16, 16]: int8 scales per 16 columns under a float16 d, negative
+    where the group's largest magnitude is positive (which maps it to -32, as llama.cpp's
+    quantizer does), so both signs of scale occur."""
     n, count = w.shape[:2]
-    step = np.abs(w).max(-1) / 32
-    d = _f16(step.max(-1) / 127).astype(np.float32)
+    largest = np.take_along_axis(w, np.abs(w).argmax(-1)[..., None], -1)[..., 0]
+    step = -largest / 32
+    d = _f16(np.abs(step).max(-1) / 127).astype(np.float32)
     scales = np.clip(np.rint(step / np.where(d == 0, 1, d)[..., None]), -128, 127)
     dw = (d[..., None] * scales)[..., None]
     u = np.clip(np.rint(w / np.where(dw == 0, 1, dw)) + 32, 0, 63).astype(np.uint8)

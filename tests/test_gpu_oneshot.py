@@ -147,13 +147,17 @@ def tiny_drafter(directory: Path) -> None:
 
 
 def committed_folder(folder: Path) -> None:
-    """A committed data folder: four samples (the second held out) and two raw queries."""
+    """A committed data folder as the repository keeps it (compressed): four samples (the
+    second held out) and two raw queries."""
+    from caddtree.util.files import write_packed
+
     folder.mkdir()
     seqs = [torch.tensor([1, 60 + i, 70, 2, 40, 41, 42, 2]) for i in range(4)]
-    TrainingData(seqs, [4] * 4, {}).save(folder / "data.safetensors")
+    TrainingData(seqs, [4] * 4, {}).save(folder / "data.safetensors.xz")
     (folder / "split.json").write_text(json.dumps({"heldout": [1], "samples": 4}))
     raw = [{"batch": 0, "persona": "none", "query": f"What is the {w} of it all?"} for w in "ab"]
-    (folder / "magpie_raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw))
+    lines = "".join(json.dumps(r) + "\n" for r in raw)
+    write_packed(folder / "magpie_raw.jsonl.xz", lines.encode())
 
 
 def blocker(folder: Path, kit_site: Path) -> Path:
@@ -265,10 +269,16 @@ def test_the_whole_run_rehearsed_with_a_tiny_target(kit):
     assert report["seconds"] <= 4 * 30
     assert phases["queries"]["raw"] > 0 and phases["queries"]["kept"] > 0
     assert phases["train"]["steps"] > 2  # checkpoints every 2 steps, each copied out
+    assert phases["features"]["committed"] == 3  # the committed .xz data, less its held-out one
 
     data = TrainingData.load(out / "data-00.safetensors")
     assert len(data.sequences) == phases["responses"]["samples"] > 0
     assert data.meta["stops"] == [2] and data.meta["benchmark_overlap_checked"] is False
+    (made,) = data.meta["generators"]  # which generator made the samples, how fast
+    assert made["generator"] == data.meta["generator"] == phases["responses"]["generator"]
+    assert made["end"] == len(data.sequences) and made["response_tokens"] == sum(
+        len(s) - p for s, p in zip(data.sequences, data.prompt_lengths)
+    )
     # each sample is a kept query in the chat template, then the target's response
     from transformers import AutoTokenizer
 
@@ -353,7 +363,7 @@ class FakeClock:
         return self.now
 
 
-def test_training_is_one_call_that_ends_at_the_deadline(monkeypatch, tmp_path):
+def test_training_is_one_trainer_call_given_the_phase_deadline(monkeypatch, tmp_path):
     """The run trains in one call of the trainer, with the phase's deadline and a hook that
     copies each checkpoint out (the trainer's own tests check how it keeps the deadline)."""
     from caddtree.train import trainer

@@ -17,6 +17,8 @@ from caddtree.train.magpie import (
     persona_of_batch,
     pre_query_ids,
     read_prompt_file,
+    read_raw_queries,
+    user_messages,
 )
 from caddtree.train.prompts import OverlapIndex, build_training_prompts
 from tiny_models import MASK_TOKEN_ID, qwen3_target
@@ -68,17 +70,53 @@ def test_a_persona_that_joins_later_changes_no_earlier_batch(tok, tmp_path):
         persona_of_batch([Persona("late", None, 5)], 0)
 
 
+COMMITTED = Path(__file__).resolve().parents[1] / "training-data/smollm2-135m-instruct"
+
+
 def test_the_committed_magpie_queries_keep_their_personas():
-    # the built-in drafter's data was sampled with the first six personas, before the others
-    # joined at batch 94: the rotation must still give each of its batches the same persona
-    path = Path(__file__).resolve().parents[1] / "training-data/smollm2-135m-instruct"
-    records = [json.loads(line) for line in (path / "magpie_raw.jsonl").open()]
-    assert max(r["batch"] for r in records) == 93
+    # the built-in drafter's first data was sampled with the first six personas, before the
+    # others joined at batch 94: the rotation must still give each batch the persona it had
+    records = read_raw_queries(COMMITTED / "magpie_raw.jsonl")
     assert all(persona_of_batch(PERSONAS, r["batch"]).name == r["persona"] for r in records)
-    assert {r["persona"] for r in records} == {p.name for p in PERSONAS if p.since_batch == 0}
+    first = {r["persona"] for r in records if r["batch"] < 94}
+    assert first == {p.name for p in PERSONAS if p.since_batch == 0}
     # and every persona takes its turn once all have joined
     later = {persona_of_batch(PERSONAS, b).name for b in range(94, 94 + len(PERSONAS))}
     assert later == {p.name for p in PERSONAS}
+
+
+def test_no_committed_training_prompt_overlaps_a_benchmark():
+    from transformers import AutoTokenizer
+
+    from caddtree.train.data import TrainingData
+    from caddtree.util.defaults import default_target_dir
+
+    data = TrainingData.load(COMMITTED / "data.safetensors")
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    index = OverlapIndex.from_benchmarks()
+    found = [
+        i
+        for i, (seq, p) in enumerate(zip(data.sequences, data.prompt_lengths))
+        if any(index.overlaps(t) for t in user_messages(tokenizer, seq[:p].tolist()))
+    ]
+    assert len(data.sequences) >= 10_000 and found == []
+
+
+def test_user_messages_finds_each_user_turn_of_a_chat_prompt():
+    from transformers import AutoTokenizer
+
+    from caddtree.train.data import chat_prompt_ids
+    from caddtree.util.defaults import default_target_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first question,\nover two lines"},
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": "a follow-up"},
+    ]
+    ids = chat_prompt_ids(tokenizer, chat)
+    assert user_messages(tokenizer, ids) == ["first question,\nover two lines", "a follow-up"]
 
 
 def rec(query, finished=True, persona="none"):

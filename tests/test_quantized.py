@@ -97,6 +97,13 @@ def test_the_kernel_computes_the_product_of_the_blocks(kind, n, k, rows):
     assert (error <= 2.0**-8 * np.abs(exact) + (k // 32 + 4) * 2.0**-22 * scale).all()
 
 
+def test_the_q6_k_writer_gives_scales_of_both_signs():
+    # Q6_K's block: 128 bytes of low nibbles, 64 of high bits, then 16 int8 scales
+    raw = quantize_k(np.random.default_rng(0).standard_normal((8, SUPER)), "Q6_K")
+    scales = raw.reshape(8, -1)[:, 192:208].view(np.int8)
+    assert (scales < 0).any() and (scales > 0).any()
+
+
 def test_the_input_is_quantized_as_written():
     x = torch.randn(7, 96).bfloat16()
     x[2, 32:64] = 0  # an all-zero block: scale 0, integers 0

@@ -181,6 +181,23 @@ def test_resume_with_other_settings_is_refused(target, data, tmp_path):
         train_drafter(target, data, tmp_path, config(steps=4, learning_rate=1e-4), progress=False)
 
 
+def test_training_data_is_kept_as_uint16_and_read_from_its_xz_copy(tmp_path):
+    seqs = [torch.tensor([1, 65535, 7]), torch.tensor([3, 4])]
+    data = TrainingData(seqs, [1, 2], {"generators": [{"first": 0, "end": 2}]})
+    data.save(tmp_path / "data.safetensors.xz")
+    assert not (tmp_path / "data.safetensors").exists()
+    assert TrainingData.exists(tmp_path / "data.safetensors")
+    back = TrainingData.load(tmp_path / "data.safetensors")  # found as the .xz beside it
+    assert [s.tolist() for s in back.sequences] == [[1, 65535, 7], [3, 4]]
+    assert back.prompt_lengths == [1, 2] and back.meta == data.meta
+    assert TrainingData.read_meta(tmp_path / "data.safetensors") == data.meta
+    wide = TrainingData([torch.tensor([70000, 2])], [1], {})
+    wide.save(tmp_path / "wide.safetensors")
+    assert TrainingData.load(tmp_path / "wide.safetensors").sequences[0].tolist() == [70000, 2]
+    with pytest.raises(ValueError, match="no training data"):
+        TrainingData.load(tmp_path / "none.safetensors")
+
+
 def test_prepare_data_resumes_and_checks_fingerprint(target, tmp_path):
     tok = tiny_tokenizer(MASK_TOKEN_ID)
     prompts = ["hello", "what is 2 + 2?", "tell me a story", "abc", "zz"]
@@ -196,6 +213,16 @@ def test_prepare_data_resumes_and_checks_fingerprint(target, tmp_path):
     TrainingData(full.sequences[:2], full.prompt_lengths[:2], full.meta).save(path)
     again = prepare_data(target, tok, prompts, path, max_new_tokens=6, chunk_size=2, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(again.sequences, full.sequences))
+    # where each range of samples came from is recorded; the range cut short is recounted and
+    # chunks of one generator grow one range
+    assert [(r["first"], r["end"]) for r in full.meta["generators"]] == [(0, 5)]
+    ranges = TrainingData.read_meta(path)["generators"]
+    assert [(r["first"], r["end"]) for r in ranges] == [(0, 2), (2, 5)]
+    assert [r["response_tokens"] for r in ranges] == [
+        TrainingData(full.sequences[a:b], full.prompt_lengths[a:b]).response_tokens()
+        for a, b in [(0, 2), (2, 5)]
+    ]
+    assert "seconds" not in ranges[0] and ranges[1]["generator"] in ("engine", "hf")
     with pytest.raises(ValueError, match="other prompts"):
         prepare_data(target, tok, prompts[::-1], path, max_new_tokens=6, progress=False)
 
@@ -571,9 +598,9 @@ def test_a_float32_step_scores_with_a_float32_copy_of_a_half_precision_head(targ
 
 
 def reference_loss(loss: AnchorBlockLoss, sample_ids, anchors):
-    """The loss as the trainer computed it before its batches were built on the device: the
-    batch from :func:`build_training_batch` (an additive mask, features copied from the host),
-    the head on the scored rows only, the position-weighted mean of their cross-entropies."""
+    """The loss written out plainly: the batch from :func:`build_training_batch` (an additive
+    mask, features copied from the host), the head on the scored rows only, the
+    position-weighted mean of their cross-entropies."""
     drafter, cfg = loss.drafter, loss.config
     seqs = [loss.data.sequences[i] for i in sample_ids]
     dtype = drafter.fc.weight.dtype
@@ -651,7 +678,23 @@ def test_device_anchors_are_distinct_sorted_response_positions(target, data):
     ordered = by_length(range(6), lengths)
     assert ordered == [0, 2, 4, 5, 3, 1]
     chosen = length_buckets(ordered, torch.tensor([0.0, 0.1, 0.9]), 3)
-    assert chosen == [0, 0, 4]  # the first picks the place, the others within 3 of it
+    assert chosen == [0, 0, 4]  # the first picks the place, the others in its bucket of 3
+    assert length_buckets(ordered, torch.tensor([0.9, 0.0, 0.99]), 4) == [1, 3, 1]  # a bucket of 2
+
+
+def test_length_buckets_draw_every_sample_equally_often():
+    from caddtree.train.batch import length_buckets
+
+    n, window, per_step, draws = 50, 8, 4, 20_000
+    counts = torch.zeros(n)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(draws):
+        for i in length_buckets(list(range(n)), torch.rand(per_step, generator=gen), window):
+            counts[i] += 1
+    expected = draws * per_step / n
+    # each count is near binomial: within 5 standard deviations, and no trend with the length
+    assert (counts - expected).abs().max() < 5 * expected**0.5
+    assert abs(counts[:window].mean() - counts[-window:].mean()) < 0.05 * expected
 
 
 def test_a_compiled_forward_gives_the_eager_loss_and_gradients(target, data):
@@ -691,8 +734,29 @@ def test_a_deadline_ends_the_call_and_the_schedule_in_time(target, data, tmp_pat
     took = time.monotonic() - began
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert took < 3.0 + 2 * max(e["step_s"] for e in log) + 1.0  # a window's overrun at most
-    assert last["step"] == len(log) >= 2 and cfg.steps == len(log)  # the schedule ended there
+    assert last["step"] == len(log) >= 2 and last["schedule_steps"] == len(log)  # ended there
     assert last["lr"] < 0.2 * cfg.learning_rate  # its cosine ran to its floor (a tenth)
-    assert saved == [tmp_path / "checkpoint"]
+    assert saved == [tmp_path / "checkpoint"] * 2  # after the first step, and at the end
+    assert "eval_accept" in last and cfg.steps == 10**6  # the caller's config is left alone
     state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
-    assert state["config"]["steps"] == len(log)
+    assert state["step"] == len(log) and state["log"][-1]["schedule_steps"] == len(log)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_boolean_block_mask_means_the_same_under_every_attention(target, implementation):
+    from caddtree.models.dflash import additive_mask
+
+    model = new_drafter(target).double().eval()
+    torch.manual_seed(0)
+    q, c = 4, 5
+    hidden = model.config.hidden_size
+    noise = torch.randn(1, q, hidden, dtype=torch.float64)
+    feats = torch.randn(1, c, model.fc.in_features, dtype=torch.float64)
+    positions = torch.arange(c + q)[None]
+    visible = torch.rand(1, 1, q, c + q, generator=torch.Generator().manual_seed(1)) < 0.6
+    visible[..., c:] = True  # every row sees something
+    model.config._attn_implementation = "sdpa"
+    reference = model(noise, feats, positions, attention_mask=additive_mask(visible, noise.dtype))
+    model.config._attn_implementation = implementation
+    got = model(noise, feats, positions, attention_mask=visible)
+    assert torch.allclose(got, reference, atol=1e-10)

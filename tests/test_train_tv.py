@@ -188,7 +188,7 @@ def test_gradients_flow_and_a_few_steps_lower_the_l1_and_lk_terms(target, data):
         drafter = new_drafter(target, num_layers=1, draft_token_ids=DRAFT_IDS.tolist()).float()
         cfg = config(ce_weight=0.0, **weights)
         loss = AnchorBlockLoss(drafter, target, feats, data, cfg, torch.device("cpu"), rows)
-        anchors = loss._random_anchors([0, 1, 2], torch.Generator().manual_seed(0))
+        anchors = loss._random_anchors(torch.tensor([0, 1, 2]), torch.Generator().manual_seed(0))
         optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
         values = []
         for _ in range(20):

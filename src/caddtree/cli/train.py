@@ -231,7 +231,7 @@ def _choose_prompts(
     # responses made earlier stay first, in their order, and new prompts are appended after
     # them; the held-out side of each of their samples is recorded before the data grows
     existing: list[tuple[int, ...]] = []
-    if (out / "data.safetensors").is_file():
+    if TrainingData.exists(out / "data.safetensors"):
         earlier = TrainingData.load(out / "data.safetensors")
         existing = [
             tuple(s[:p].tolist()) for s, p in zip(earlier.sequences, earlier.prompt_lengths)
@@ -287,11 +287,13 @@ def _make_data(
 
 def _require_data(out: Any) -> None:
     """--train-only needs the run's data."""
-    if not (out / "data.safetensors").is_file():
+    from ..train import TrainingData
+
+    if not TrainingData.exists(out / "data.safetensors"):
         raise InvalidInputError(
             f"--train-only trains on the run's data, and {out} has none (data.safetensors); "
             "generate it first (the same command without --train-only, or --data-only), or copy "
-            "a run's data.safetensors and split.json there"
+            "a run's data.safetensors (or the committed data.safetensors.xz) and split.json there"
         )
 
 
@@ -508,7 +510,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="compile the drafter's training forward (torch.compile; a minute or so first)",
+        help="compile the drafter's training forward (torch.compile; compiling first takes a while)",
     )
     p.add_argument(
         "--log-every",

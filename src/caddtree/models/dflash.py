@@ -196,6 +196,13 @@ _SIZE_FIELDS = (
 # --------------------------------------------------------------------------------------------------
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: seen) as the additive one eager attention adds to its scores."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, torch.finfo(dtype).min
+    )
+
+
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [b, heads, s, d] by the rotary angles ``cos``/``sin`` [b, s, d]."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
@@ -392,10 +399,15 @@ class DFlashDraftModel(PreTrainedModel):
             position_ids: positions of ``[context ; block]``, [b or 1, c + q].
             past_key_values: the drafter's cache of earlier context keys/values (appended to:
                 afterwards it also holds this pass's context *and block* entries).
-            attention_mask: optional additive or boolean mask [b, 1, q, past + c + q] (for
-                training several blocks at once); ``None`` lets every block position see
-                everything, which is what decoding needs.
+            attention_mask: optional additive or boolean mask [b, 1, q, past + c + q], True
+                where a position is seen (for training several blocks at once); ``None`` lets
+                every block position see everything, which is what decoding needs. A boolean
+                mask is made additive for attention implementations other than SDPA (eager
+                attention adds the mask to the scores).
         """
+        boolean = attention_mask is not None and attention_mask.dtype == torch.bool
+        if boolean and self.config._attn_implementation != "sdpa":
+            attention_mask = additive_mask(attention_mask, noise_embedding.dtype)
         context = self.hidden_norm(self.fc(target_hidden))
         position_embeddings = self.rotary_emb(noise_embedding, position_ids)
         hidden_states = noise_embedding

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..util.errors import InvalidInputError
-from ..util.files import atomic_write, atomic_write_text
+from ..util.files import atomic_write_text, packed_path, read_packed, write_packed
 
 __all__ = [
     "TrainingData",
@@ -50,28 +49,53 @@ class TrainingData:
     prompt_lengths: list[int]
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write ``path`` atomically; a name ending in ``.xz`` is compressed (the committed
+        copy). Token ids are stored as uint16 where the vocabulary allows, else int32."""
+        from safetensors.torch import save
+
         flat = torch.cat(self.sequences) if self.sequences else torch.zeros(0, dtype=torch.long)
-        lengths = torch.tensor([len(s) for s in self.sequences], dtype=torch.long)
+        narrow = flat.numel() == 0 or int(flat.max()) < 2**16 and int(flat.min()) >= 0
         tensors = {
-            # int32 halves the file (token ids are far below 2**31); loading widens them again
-            "tokens": flat.to(torch.int32),
-            "lengths": lengths,
+            "tokens": flat.to(torch.uint16 if narrow else torch.int32),
+            "lengths": torch.tensor([len(s) for s in self.sequences], dtype=torch.long),
             "prompt_lengths": torch.tensor(self.prompt_lengths, dtype=torch.long),
         }
-        atomic_write(
-            path, lambda tmp: save_file(tensors, tmp, metadata={"meta": json.dumps(self.meta)})
-        )
+        write_packed(path, save(tensors, metadata={"meta": json.dumps(self.meta)}))
 
     @classmethod
-    def load(cls, path: Path) -> TrainingData:
-        from safetensors import safe_open
+    def load(cls, path: str | os.PathLike[str]) -> TrainingData:
+        """Read ``path``, or its committed ``path.xz`` where ``path`` is absent."""
+        from safetensors.torch import load
 
-        tensors = load_file(path)
-        with safe_open(path, framework="pt") as fh:
-            meta = json.loads((fh.metadata() or {}).get("meta", "{}"))
+        raw = read_packed(path)
+        if raw is None:
+            raise InvalidInputError(f"no training data at {path} (nor {path}.xz)")
+        tensors = load(raw)
         seqs = list(torch.split(tensors["tokens"].long(), tensors["lengths"].tolist()))
-        return cls(seqs, tensors["prompt_lengths"].tolist(), meta)
+        return cls(seqs, tensors["prompt_lengths"].tolist(), _header_meta(raw))
+
+    def response_tokens(self) -> int:
+        """How many response tokens the samples hold."""
+        return sum(len(s) - p for s, p in zip(self.sequences, self.prompt_lengths))
+
+    @staticmethod
+    def exists(path: str | os.PathLike[str]) -> bool:
+        """Whether :meth:`load` finds data at ``path``."""
+        return packed_path(path) is not None
+
+    @staticmethod
+    def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The metadata of the data at ``path`` (empty when there is none)."""
+        raw = read_packed(path)
+        return {} if raw is None else _header_meta(raw)
+
+
+def _header_meta(raw: bytes) -> dict[str, Any]:
+    """The ``meta`` entry of a safetensors file's header (8 bytes of length, then JSON)."""
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    return json.loads((header.get("__metadata__") or {}).get("meta", "{}"))
 
 
 @torch.inference_mode()
@@ -314,6 +338,7 @@ def prepare_data(
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for start in range(len(done.sequences), len(prompts), chunk_size):
+        began = time.perf_counter()
         chunk = generate_responses(
             target,
             prompt_ids[start : start + chunk_size],
@@ -323,10 +348,43 @@ def prepare_data(
             pad_token_id=pad,
             progress=progress,
         )
+        record_provenance(done, chunk, time.perf_counter() - began, batch_size)
         done.sequences.extend(chunk.sequences)
         done.prompt_lengths.extend(chunk.prompt_lengths)
         done.save(path)
     return done
+
+
+def record_provenance(
+    done: TrainingData, chunk: TrainingData, seconds: float, batch_size: int
+) -> None:
+    """Add ``chunk`` (to be appended to ``done``) to ``done.meta["generators"]``: ranges of
+    samples ``[first, end)`` with the generator and batch size that made them, the seconds it took
+    and the response tokens made, a range growing while the generator and batch size stay."""
+    start = len(done.sequences)
+    ranges = [r for r in done.meta.get("generators", []) if r["first"] < start]
+    if ranges and ranges[-1]["end"] != start:  # a file cut short by hand: recount what is left
+        cut = ranges[-1]
+        kept = TrainingData(done.sequences[cut["first"] :], done.prompt_lengths[cut["first"] :])
+        ranges[-1] = {k: v for k, v in cut.items() if k != "seconds"}
+        ranges[-1].update(end=start, response_tokens=kept.response_tokens())
+    done.meta["generators"] = ranges
+    entry = {"generator": chunk.meta.get("generator"), "batch_size": batch_size}
+    last = ranges[-1] if ranges else None
+    if last and "seconds" in last and all(last.get(k) == v for k, v in entry.items()):
+        last["end"] = start + len(chunk.sequences)
+        last["seconds"] = round(last["seconds"] + seconds, 1)
+        last["response_tokens"] += chunk.response_tokens()
+        return
+    ranges.append(
+        {
+            "first": start,
+            "end": start + len(chunk.sequences),
+            **entry,
+            "seconds": round(seconds, 1),
+            "response_tokens": chunk.response_tokens(),
+        }
+    )
 
 
 def choose_draft_vocab(

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..models.dflash import draft_lm_head
+from ..models.dflash import additive_mask, draft_lm_head
 from .batch import SampleBank, anchors_from_lists, block_batch, random_anchors
 
 __all__ = [
@@ -80,7 +80,7 @@ def build_training_batch(
         labels[r, :m] = torch.where(
             target_pos < n, seq[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100)
         )
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    mask = additive_mask(visible, dtype)
     return {
         "block_tokens": block_tokens.reshape(b, M * B),
         "position_ids": positions,
@@ -256,16 +256,18 @@ class AnchorBlockLoss:
         self,
         sample_ids: Sequence[int],
         anchors: Sequence[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+        ids: torch.Tensor | None = None,
     ):
         """One drafter forward over the blocks at ``anchors`` (one sorted tensor per sample, or
         padded anchors and which are real, as :func:`~caddtree.train.batch.random_anchors`
         gives them): the hidden states of block positions ``1 .. B-1`` [b, M, B-1, H], their
         labels in draft ids [b, M, B-1] (``-100`` past the sequence, for padding blocks or
-        outside the draft vocabulary), and where the labels are inside the sequence."""
+        outside the draft vocabulary), and where the labels are inside the sequence. ``ids``:
+        ``sample_ids`` already on the device."""
         cfg, dev = self.config, self.device
         if not isinstance(anchors, tuple):
             anchors = anchors_from_lists(anchors, dev)
-        ids = _on_device(sample_ids, dev)
+        ids = _on_device(sample_ids, dev) if ids is None else ids
         T = self.bank.context_length(sample_ids)
         batch = block_batch(self.bank, ids, T, *anchors, cfg.block_size, self.drafter.mask_token_id)
         dtype = self.drafter.fc.weight.dtype
@@ -292,11 +294,11 @@ class AnchorBlockLoss:
         return hidden.view(b, M, B, -1)[:, :, 1:], labels, in_range
 
     def _random_anchors(
-        self, sample_ids: Sequence[int], generator: torch.Generator | None
+        self, ids: torch.Tensor, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``anchors_per_sample`` random response positions of each sample (sorted, drawn on
-        the device), at most as many as it has: padded anchors and which are real."""
-        ids = _on_device(sample_ids, self.device)
+        """``anchors_per_sample`` random response positions of each sample of ``ids`` (on the
+        device; sorted, drawn on the device), at most as many as it has: padded anchors and
+        which are real."""
         return random_anchors(self.bank, ids, self.config.anchors_per_sample, generator)
 
     def _weights(self, ce: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -319,11 +321,14 @@ class AnchorBlockLoss:
         ``lk_weight`` x the weighted LK term of every position inside the sequence
         (:func:`distribution_terms`). Returns the loss and the batch's statistics, as tensors
         on the device (read them when they are logged: reading is a host synchronisation).
+        With the target's distributions (L1, LK), the anchors are read back to the host each
+        step to pick the stored top-k there: that path synchronises once a step.
 
         ``generator`` draws the anchors; it must be a generator of the training device."""
         cfg = self.config
-        drawn = self._random_anchors(sample_ids, generator) if anchors is None else anchors
-        hidden, labels, in_range = self._block_hidden(sample_ids, drawn)
+        ids = _on_device(sample_ids, self.device)
+        drawn = self._random_anchors(ids, generator) if anchors is None else anchors
+        hidden, labels, in_range = self._block_hidden(sample_ids, drawn, ids)
         valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
         with self._autocast():
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()

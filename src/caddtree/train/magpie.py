@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..util.errors import InvalidInputError
-from ..util.files import atomic_write_text
+from ..util.files import atomic_write_text, read_packed
 
 __all__ = [
     "PERSONAS",
@@ -38,6 +38,8 @@ __all__ = [
     "filter_queries",
     "generate_queries",
     "persona_of_batch",
+    "read_raw_queries",
+    "user_messages",
     "pre_query_ids",
     "read_prompt_file",
 ]
@@ -146,11 +148,32 @@ def pre_query_ids(tokenizer: Any, system: str | None = None) -> list[int]:
     return [int(t) for t in tokenizer(head, add_special_tokens=False)["input_ids"]]
 
 
-def _read_raw(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
+def user_messages(tokenizer: Any, prompt_ids: Sequence[int]) -> list[str]:
+    """The user's messages in a chat prompt's token ids, found by the text the chat template puts
+    around a user message (from the last special token before it to the first after it); the
+    whole decoded prompt where the template has none or they are not found."""
+    text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    if not getattr(tokenizer, "chat_template", None):
+        return [text]
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
+    )
+    head, found, tail = probe.partition(_SENTINEL)
+    specials = [s for s in tokenizer.all_special_tokens if s]
+    starts = [head.rfind(s) for s in specials if s in head]
+    ends = [tail.find(s) + len(s) for s in specials if s in tail]
+    if not found or not starts or not ends:
+        return [text]
+    opener, closer = head[max(starts) :], tail[: min(ends)]
+    pattern = re.escape(opener) + "(.*?)" + re.escape(closer)
+    return re.findall(pattern, text, flags=re.DOTALL) or [text]
+
+
+def read_raw_queries(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of ``path``, or of its committed ``path.xz`` where ``path`` is absent."""
+    raw = read_packed(path)
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in ("" if raw is None else raw.decode("utf-8")).splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -188,7 +211,7 @@ def generate_queries(
     if not personas:
         raise InvalidInputError("need at least one persona")
     path = Path(path)
-    records = _read_raw(path)
+    records = read_raw_queries(path)
     done_batches = {r["batch"] for r in records}
     n_batches = -(-count // batch_size)
     stops = {int(t) for t in stop_token_ids}

@@ -13,7 +13,7 @@ responses   the target's greedy responses to the held-out prompts (for tau), the
             the data goes to the output folder as it grows, before anything else
 features    the context features of the new data, then of the committed data's training samples
 train       caddtree's trainer (:func:`~caddtree.train.train_drafter`) from the shipped drafter,
-            in calls sized to end at the deadline; the checkpoint is copied out after each call
+            in one call that ends by the deadline; each checkpoint is copied out as it is saved
 evaluate    tau at DDTree budget 16 of the shipped and the new drafter on the held-out prompts
 ==========  ========================================================================================
 

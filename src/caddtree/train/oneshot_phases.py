@@ -13,11 +13,11 @@ import torch
 
 from ..util.files import atomic_write, atomic_write_text
 from .data import TrainingData
+from .magpie import read_raw_queries
 from .oneshot_work import (
     Deadline,
     Pace,
     Target,
-    committed_raw_queries,
     committed_training_data,
     decode_greedy,
     features_until,
@@ -157,13 +157,7 @@ def assemble(state: State, deadline: Deadline) -> dict:
 
 
 def _committed_meta(folder: Path | None) -> dict:
-    path = None if folder is None else Path(folder) / "data.safetensors"
-    if path is None or not path.is_file():
-        return {}
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as fh:
-        return json.loads((fh.metadata() or {}).get("meta", "{}"))
+    return {} if folder is None else TrainingData.read_meta(Path(folder) / "data.safetensors")
 
 
 def _device_name(device: torch.device) -> str:
@@ -175,7 +169,7 @@ def _device_name(device: torch.device) -> str:
 def queries(state: State, deadline: Deadline) -> dict:
     """Magpie queries; their raw records go to the output folder."""
     s = state.settings
-    earlier = committed_raw_queries(Path(s.committed) / "magpie_raw.jsonl") if s.committed else []
+    earlier = read_raw_queries(Path(s.committed) / "magpie_raw.jsonl") if s.committed else []
     raw_path = s.work / f"magpie-seed{s.seed}-batch{s.query_batch}.jsonl"
     kept, records, figures = make_queries(
         state.target,
@@ -225,10 +219,21 @@ def responses(state: State, deadline: Deadline) -> dict:
     done, figures = decode_greedy(
         target, ids, s.response_tokens, deadline, on_progress=save, **kwargs
     )
-    state.new_data = _samples(ids, done, meta)
-    files = write_data(s.out, state.new_data)
     made = sum(len(r) for r in done.values())
     seconds = time.monotonic() - began_train
+    meta["generator"] = figures["generator"]  # "engine+hf" where the engine failed part way
+    meta["generators"] = [
+        {
+            "first": 0,
+            "end": len(done),
+            "generator": figures["generator"],
+            "batch_size": s.response_batch,
+            "seconds": round(seconds, 1),
+            "response_tokens": made,
+        }
+    ]
+    state.new_data = _samples(ids, done, meta)
+    files = write_data(s.out, state.new_data)
     figures.update(
         held_out_samples=len(state.eval_data.sequences),
         held_out_s=round(began_train - began, 2),

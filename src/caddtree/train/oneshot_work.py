@@ -1,6 +1,7 @@
 """The work of each phase of the one-shot GPU run (:mod:`caddtree.train.oneshot`), each step
-bounded by a :class:`Deadline`: it starts a unit of work (a batch, a chunk, a training call) only
-when the time the last one took still fits before its deadline.
+bounded by a :class:`Deadline`: it starts a unit of work (a batch, a chunk) only when the time
+the last one took still fits before its deadline; training keeps the deadline itself
+(``train_drafter``'s ``deadline``).
 
 Only torch, transformers, safetensors and numpy (and ``gguf`` for the GGUF conversion, carried
 to the GPU machine as a folder) are needed: nothing here imports the server or the benchmark
@@ -30,7 +31,6 @@ __all__ = [
     "Pace",
     "Target",
     "clock",
-    "committed_raw_queries",
     "committed_training_data",
     "decode_greedy",
     "features_until",
@@ -191,13 +191,6 @@ def make_queries(
     return kept, records, figures
 
 
-def committed_raw_queries(path: Path) -> list[dict]:
-    """The raw Magpie records of the committed data (none when the file is absent)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-
-
 # ---- greedy responses ----------------------------------------------------------------------------
 
 
@@ -299,7 +292,7 @@ def committed_training_data(folder: Path) -> TrainingData | None:
     """The committed data's samples that are not held out (``split.json``), or ``None`` when
     the folder has no data."""
     data_path = folder / "data.safetensors"
-    if not data_path.is_file():
+    if not TrainingData.exists(data_path):
         return None
     data = TrainingData.load(data_path)
     split = folder / "split.json"

@@ -5,6 +5,7 @@ deadline where one is set. :func:`caddtree.train.train_drafter` sets it up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,13 +24,16 @@ from .loss import AnchorBlockLoss, evaluate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUCKET_WINDOW", "Loop", "lr_at", "run_steps", "train_step"]
+__all__ = ["BUCKET_WINDOW", "Clock", "Loop", "lr_at", "run_steps", "train_step"]
 
 
-def lr_at(step: int, config: Any) -> float:
+def lr_at(step: int, config: Any, total: int | None = None) -> float:
+    """The learning rate of ``step``: a linear warm-up, then a cosine to a tenth of the rate by
+    step ``total`` (default ``config.steps``)."""
     if step < config.warmup_steps:
         return config.learning_rate * (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
+    total = config.steps if total is None else total
+    span = max(1, total - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -54,23 +58,51 @@ class Loop:
         if self.on_checkpoint is not None:
             self.on_checkpoint(self.ckpt)
 
-    def steps_before_deadline(self, step_s: float) -> int | None:
-        """How many more steps of ``step_s`` seconds fit before the deadline (``None``: none
-        is set)."""
+
+WARM_STEPS = 2
+"""The first steps of a call are read back one at a time: the first (warm-up, compilation) gives
+a cautious pace, the second a real one, before windows of ``log_every`` steps take over."""
+
+
+class Clock:
+    """The seconds a training step, an evaluation and a checkpoint take, and so the steps that
+    still fit before a deadline with the last evaluation and checkpoint kept in reserve."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self.step_s: float | None = None  # the latest window's mean (evaluations, saves excluded)
+        self.reserve = {"evaluate": 0.0, "save": 0.0}  # the latest of each
+
+    def timed(self, kind: str, work: Callable[[], Any]) -> Any:
+        began = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.reserve[kind] = time.perf_counter() - began
+
+    def limits(self, step: int, end: int, steps: int) -> tuple[int, int]:
+        """The step this call ends at (at most ``end``) and the schedule's total (at most
+        ``steps``), from the latest pace: a step is started only if it can finish, and be
+        evaluated and saved, by the deadline. Before the pace is known, one step at a time."""
         if self.deadline is None:
-            return None
-        return max(0, int((self.deadline - time.monotonic()) / max(step_s, 1e-9)))
+            return end, steps
+        left = self.deadline - time.monotonic() - sum(self.reserve.values())
+        if self.step_s is None:
+            return min(end, step + 1 if left > 0 else step), steps
+        fits = max(0, int(left / max(self.step_s, 1e-9)))
+        return min(end, step + fits), min(steps, max(step + fits, step + 1))
 
 
 def run_steps(loop: Loop, log: list[dict], start: int, end: int, progress: bool) -> dict[str, Any]:
     """Run steps ``start`` to ``end``, appending each entry to ``log`` and its file (read back
-    from the device every ``log_every`` steps, before an evaluation and before a checkpoint) and
-    saving a checkpoint every ``save_every`` steps and at the end, or on an interrupt. Returns
-    the last entry."""
+    from the device every ``log_every`` steps, before an evaluation and before a checkpoint),
+    evaluating every ``eval_every`` steps and at the end, saving a checkpoint every
+    ``save_every`` steps and at the end, or on an interrupt. With a deadline, the call and the
+    learning-rate schedule end where the latest pace says (:class:`Clock`). Returns the last
+    entry."""
     from tqdm.auto import tqdm
 
-    trainer, optimizer = loop.trainer, loop.optimizer
-    config = trainer.config
+    config = loop.trainer.config
     bar = tqdm(
         total=config.steps,
         initial=start,
@@ -78,24 +110,32 @@ def run_steps(loop: Loop, log: list[dict], start: int, end: int, progress: bool)
         unit="step",
         disable=not progress,
     )
-    pending = _Pending(log, loop.log_path, bar)
+    pending, clock = _Pending(log, loop.log_path, bar), Clock(loop.deadline)
     previous_handler = terminate_as_interrupt()
     try:
-        step = start
-        while step < end:
-            pending.add(train_step(trainer, optimizer, loop.train_ids, step))
+        step, (last, total) = start, clock.limits(start, end, config.steps)
+        while step < last:
+            pending.add(train_step(loop.trainer, loop.optimizer, loop.train_ids, step, total))
             step += 1
+            if not _window_ends(config, step, start, last, bool(loop.eval_ids)):
+                continue
+            clock.step_s = pending.read_back()
+            last, total = clock.limits(step, end, config.steps)
+            bar.total = total
+            # a call cut short by its deadline ends evaluated; with a deadline, the first step is
+            # evaluated and saved too, to learn what that end will cost
+            probe = clock.deadline is not None and step == start + 1
+            cut = step == last < end
             evaluating = bool(loop.eval_ids) and (
-                step % config.eval_every == 0 or step == config.steps
+                step % config.eval_every == 0 or step == config.steps or cut or probe
             )
-            if evaluating or step % config.save_every == 0 or step % config.log_every == 0:
-                pending.flush(evaluate(trainer, loop.eval_ids, config.seed) if evaluating else {})
-                end = _end_by_deadline(loop, step, end, pending.step_s, bar)
-            if step % config.save_every == 0 or step == end:
-                pending.flush({})
-                loop.save(log)
+            pending.write(clock.timed("evaluate", lambda: _evaluate(loop)) if evaluating else {})
+            if step == last or probe or step % config.save_every == 0:
+                clock.timed("save", lambda: loop.save(log))
+            pending.restart()
     except KeyboardInterrupt:
-        pending.flush({})
+        pending.read_back()
+        pending.write({})
         if len(log) > start:
             loop.save(log)
             logger.warning("interrupted: saved step %d; run again to resume", len(log))
@@ -107,53 +147,93 @@ def run_steps(loop: Loop, log: list[dict], start: int, end: int, progress: bool)
     return log[-1] if log else {}
 
 
-def _end_by_deadline(loop: Loop, step: int, end: int, step_s: float | None, bar: Any) -> int:
-    """The step this call ends at, given the deadline and the latest pace: before a step that
-    would not finish in time, with the schedule's total lowered to what fits."""
-    fits = None if step_s is None else loop.steps_before_deadline(step_s)
-    if fits is None:
-        return end
-    config = loop.trainer.config
-    if step + fits < config.steps:
-        config.steps = max(step + fits, step)
-        bar.total = config.steps
-    return min(end, step + fits)
+def _window_ends(config: Any, step: int, start: int, last: int, evaluates: bool) -> bool:
+    """Whether the figures are read back after ``step``: at the end of a log window, before an
+    evaluation or a checkpoint, at the call's last step, and after each of its first steps."""
+    return (
+        step == last
+        or step - start <= WARM_STEPS
+        or step % config.log_every == 0
+        or step % config.save_every == 0
+        or (evaluates and step % config.eval_every == 0)
+    )
+
+
+def _evaluate(loop: Loop) -> dict[str, Any]:
+    return evaluate(loop.trainer, loop.eval_ids, loop.trainer.config.seed)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Any:
+    """Hold SIGINT and SIGTERM back (on the main thread, where the system allows) until the
+    block ends, so an interrupt never lands between the log and its file."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class _Pending:
-    """Log entries of steps whose figures are still on the device."""
+    """Log entries of steps whose figures are still on the device, then on the host until they
+    are written to the log and its file."""
 
     def __init__(self, log: list[dict], path: Path, bar: Any) -> None:
         self.log, self.path, self.bar = log, path, bar
         self.entries: list[dict[str, Any]] = []
+        self.read: list[dict[str, Any]] = []
         self.since = time.perf_counter()
-        self.step_s: float | None = None  # the mean of the last window read back
 
     def add(self, entry: dict[str, Any]) -> None:
         self.entries.append(entry)
 
-    def flush(self, evaluation: dict[str, Any]) -> None:
-        """Read the pending entries back (the last one gets ``evaluation``), append them to the
-        log and its file."""
+    def restart(self) -> None:
+        """Start the next window's clock (after an evaluation or a checkpoint)."""
+        self.since = time.perf_counter()
+
+    def read_back(self) -> float | None:
+        """Bring the pending entries' figures to the host (one synchronisation); returns the
+        window's seconds per step (None when nothing was pending)."""
         if not self.entries:
+            return None
+        stacked = _stack_figures(self.entries)
+        step_s = (time.perf_counter() - self.since) / len(self.entries)
+        with _signals_held():
+            for entry, figures in zip(self.entries, stacked):
+                self.read.append({**entry, **figures, "step_s": round(step_s, 3)})
+            self.entries = []
+        return step_s
+
+    def write(self, evaluation: dict[str, Any]) -> None:
+        """Append the entries read back (the last one with ``evaluation``) to the file, then to
+        the log, both or neither."""
+        if not self.read:
             return
-        read = [{k: _host_value(v) for k, v in e.items()} for e in self.entries]
-        self.step_s = (time.perf_counter() - self.since) / len(read)
-        for entry in read:
-            entry["step_s"] = round(self.step_s, 3)
+        read = self.read
         read[-1].update(evaluation)
-        self.log.extend(read)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write("".join(json.dumps(e) + "\n" for e in read))
+        with _signals_held():
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write("".join(json.dumps(e) + "\n" for e in read))
+            self.log.extend(read)
+            self.read = []
         last = read[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['train_accept']:.2f}")
         self.bar.update(len(read))
-        self.entries = []
-        self.since = time.perf_counter()
 
 
-def _host_value(value: Any) -> Any:
-    return float(value) if isinstance(value, torch.Tensor) else value
+def _stack_figures(entries: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """The tensor figures of ``entries`` as floats, read back in one copy."""
+    keys = [k for k, v in entries[0].items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return [{} for _ in entries]
+    values = torch.stack([torch.stack([e[k].float() for k in keys]) for e in entries]).tolist()
+    return [dict(zip(keys, row)) for row in values]
 
 
 def terminate_as_interrupt() -> Any:
@@ -169,11 +249,14 @@ def terminate_as_interrupt() -> Any:
     return signal.signal(signal.SIGTERM, interrupt)
 
 
-def train_step(trainer: AnchorBlockLoss, optimizer, train_ids, step: int) -> dict[str, Any]:
+def train_step(
+    trainer: AnchorBlockLoss, optimizer, train_ids, step: int, total: int | None = None
+) -> dict[str, Any]:
     """One optimiser step on ``samples_per_step`` samples of similar lengths from ``train_ids``
     (ordered by length, :func:`~caddtree.train.batch.by_length`), drawn with the RNG of
     ``(seed, step)`` (the anchors with a generator of the training device). The entry's figures
-    stay on the device (read back by :class:`_Pending`)."""
+    stay on the device (read back by :class:`_Pending`). ``total``: the learning-rate schedule's
+    length (default ``steps``)."""
     config, drafter = trainer.config, trainer.drafter
     seed = config.seed * 1_000_003 + step
     picks = torch.rand(config.samples_per_step, generator=torch.Generator().manual_seed(seed))
@@ -181,7 +264,7 @@ def train_step(trainer: AnchorBlockLoss, optimizer, train_ids, step: int) -> dic
     sample_ids = length_buckets(train_ids, picks, window)
     anchor_gen = torch.Generator(device=trainer.device).manual_seed(seed)
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, config)
+        group["lr"] = lr_at(step, config, total)
     optimizer.zero_grad(set_to_none=True)
     loss, stats = trainer.batch_loss(sample_ids, anchor_gen)
     loss.backward()
@@ -192,6 +275,7 @@ def train_step(trainer: AnchorBlockLoss, optimizer, train_ids, step: int) -> dic
         "loss": loss.detach(),
         "train_accept": stats["accept"],
         "lr": optimizer.param_groups[0]["lr"],
+        "schedule_steps": config.steps if total is None else total,
         "grad_norm": grad_norm,
     }
     if "l1" in stats:  # the loss has the target's distribution: its parts

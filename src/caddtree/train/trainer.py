@@ -22,7 +22,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ class TrainConfig:
     draft_vocab_coverage: float | None = None
     precision: str = "float32"  # or "bfloat16": autocast of the forward (weights stay float32)
     # compile the drafter's training forward with torch.compile (inductor): fused element-wise
-    # work, after a compilation of about a minute on a small CPU
+    # work, after a one-time compilation (benchmarks/train_step.py --compile measures the steps)
     compile: bool = False
     # The loss: ce_weight x cross-entropy + l1_weight x L1 (sum |p - q| = 2 TV between the
     # target's and the drafter's distributions over the draft vocabulary) + lk_weight x LK
@@ -258,13 +258,16 @@ def train_drafter(
     with the same settings continues exactly as an uninterrupted one would; ``steps`` may change
     on resume, and the learning-rate schedule then follows the new total.
 
-    ``deadline`` (a :func:`time.monotonic` time) ends the call before a step that would not
-    finish by then, at the pace of the last ``log_every`` steps; once that pace is known, a
-    ``steps`` that cannot be reached by the deadline is lowered to what can (saved with the
-    checkpoint), so the schedule ends there. ``on_checkpoint`` is called with the checkpoint's
-    folder after each save (to copy it elsewhere as the run goes).
+    ``deadline`` (a :func:`time.monotonic` time) ends the call before a step that could not
+    finish, be evaluated and be saved by then, at the pace of the latest log window (evaluations
+    and saves not counted; the first steps are read back one by one while the pace is unknown).
+    While ``steps`` cannot be reached by the deadline, the learning-rate schedule ends at the
+    steps that fit instead (recomputed each window; each log entry has its ``schedule_steps``).
+    A later call resumes with the schedule of its own ``steps``, as a changed ``steps`` would.
+    ``on_checkpoint`` is called with the checkpoint's folder after each save (to copy it
+    elsewhere as the run goes). ``config`` is not changed (the run works on a copy).
     """
-    config = config or TrainConfig()
+    config = replace(config) if config is not None else TrainConfig()
     config.validate()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,9 @@ __all__ = [
     "atomic_directory",
     "atomic_write",
     "atomic_write_text",
+    "packed_path",
+    "read_packed",
+    "write_packed",
     "current_umask",
     "new_file_mode",
     "replace_directory",
@@ -79,6 +82,43 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """:func:`atomic_write` of UTF-8 ``text``."""
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+# ---- xz-packed files ----------------------------------------------------------------------------
+
+XZ = ".xz"
+
+
+def packed_path(path: str | os.PathLike[str]) -> Path | None:
+    """The file that holds ``path``: ``path`` itself, else ``path.xz`` (the compressed copy that
+    is committed in its place), else None."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    packed = path.with_name(path.name + XZ)
+    return packed if packed.is_file() else None
+
+
+def read_packed(path: str | os.PathLike[str]) -> bytes | None:
+    """The bytes of :func:`packed_path` (decompressed where it ends with ``.xz``); None when
+    neither file exists."""
+    import lzma
+
+    found = packed_path(path)
+    if found is None:
+        return None
+    raw = found.read_bytes()
+    return lzma.decompress(raw) if found.name.endswith(XZ) else raw
+
+
+def write_packed(path: str | os.PathLike[str], data: bytes) -> Path:
+    """:func:`atomic_write` of ``data``, compressed with xz where ``path`` ends with ``.xz``."""
+    import lzma
+
+    path = Path(path)
+    if path.name.endswith(XZ):
+        data = lzma.compress(data, preset=9)
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 # ---- directories --------------------------------------------------------------------------------

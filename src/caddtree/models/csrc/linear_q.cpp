@@ -2,9 +2,11 @@
 // blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), on CPUs with AVX512-VNNI (every CPU
 // with AVX512-BF16 has it).
 //
-// Arithmetic (llama.cpp's): each row's input is quantized once per call, per block of 32
-// columns, to int8 with a float32 scale dx = max|x| / 127 (q = x * (1 / dx) rounded to nearest
-// even) and the block's sum s = sum(q). Every format is read as blocks of 32 columns of one
+// Arithmetic (llama.cpp's for the 32-column formats; for the K formats llama.cpp quantizes the
+// input per 256 columns, Q8_K, where this keeps blocks of 32, so those results differ from its
+// in the last bits): each row's input is quantized once per call, per block of 32 columns, to
+// int8 with a float32 scale dx = max|x| / 127 (q = x * (1 / dx) rounded to nearest even) and the
+// block's sum s = sum(q). Every format is read as blocks of 32 columns of one
 // output holding unsigned integers u with a scale dw (and a minimum mw, or a second scale):
 //   Q4_0 w = dw (u - 8)   Q5_0 w = dw (u - 16)   Q8_0 w = dw (u - 128), its signed bytes stored
 //   as u = q + 128; Q4_1, Q5_1, Q4_K, Q5_K w = dw u + mw; Q6_K w = dw (u - 32) with its own dw
