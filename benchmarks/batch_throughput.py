@@ -22,7 +22,7 @@ and builds each request's tree as if it were alone; ``caddtree-joint`` chooses a
 trees with one joint budget (:func:`caddtree.core.tree.build_joint_caddtrees`), pricing a batch round
 with the batch cost model of this machine (profiled once and cached, as ``caddtree serve`` does:
 :meth:`~caddtree.api.SpeculativeGenerator.cached_batch_cost_model`); ``caddtree-joint@M`` does so
-with a margin ``M`` in place of :data:`caddtree.engine.batching._DRAFT_MARGIN` (drafting must beat
+with a margin ``M`` in place of :data:`caddtree.engine.joint_budget._DRAFT_MARGIN` (drafting must beat
 plain rounds by that factor to go on: ``@1`` none, ``@inf`` a joint batch of two or more requests
 never drafts).
 """
@@ -39,7 +39,7 @@ import torch
 
 from caddtree.api import chat_template_ids
 from caddtree.arguments import load_pair
-from caddtree.engine import batching
+from caddtree.engine import batching, joint_budget
 from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
 from chat_prompts import PROMPTS
@@ -82,7 +82,7 @@ def decode_all(
     name = "caddtree" if joint is not None else method
     chosen = WholeBlocks(policy(name, gen)) if whole_blocks else policy(name, gen)
     if whole_blocks:
-        decoder._joint_reach = lambda: None
+        decoder.joint.reach = lambda: None
     requests = [GenerationRequest(p, chosen, new) for p in prompts]
     start = time.perf_counter()
     done = decoder.run(requests)
@@ -106,15 +106,15 @@ class WholeBlocks:
 @contextlib.contextmanager
 def margin_of(margin: float):
     """Joint batches draft on only where drafting beats plain rounds by ``margin`` meanwhile."""
-    kept = batching._DRAFT_MARGIN
-    batching._DRAFT_MARGIN = margin
+    kept = joint_budget._DRAFT_MARGIN
+    joint_budget._DRAFT_MARGIN = margin
     try:
         yield
     finally:
-        batching._DRAFT_MARGIN = kept
+        joint_budget._DRAFT_MARGIN = kept
 
 
-PHASES = {"step": "round", "_drafts": "drafter", "_tree": "trees", "_joint_trees": "trees"}
+PHASES = {"step": "round", "_propose": "drafter", "_build": "trees"}
 
 
 @contextlib.contextmanager

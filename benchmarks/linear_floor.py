@@ -2,7 +2,7 @@
 
     python benchmarks/linear_floor.py [--dtype bfloat16] [--context 300] [--repeats 9]
 
-Loads the built-in target on the lean runtime (:mod:`caddtree.models.lean`) and times, in
+Loads the built-in target on the lean runtime (:mod:`caddtree.runtime.lean`) and times, in
 alternating order after a warm-up, each ``--repeats`` times:
 
 * ``linears``: one token's linear calls alone, as the forward makes them: every decoder layer's

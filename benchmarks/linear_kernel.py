@@ -6,8 +6,8 @@ A forward of the target runs its 120 fused linear layers (q/k/v, o, gate/up and 
 the 30 decoder layers, as the lean runtime fuses them) and the LM head on a few rows; their
 weights (269 MB in bfloat16) do not fit in the CPU's caches, so each call reads its weight from
 memory, as here: the script runs all 121 calls in layer order, through caddtree's kernel
-(:mod:`caddtree.models.kernels`) and through torch's fastest bfloat16 linear there (oneDNN's
-packed one, :mod:`caddtree.models.packing`, where oneDNN packs bfloat16; else ``F.linear``), the two
+(:mod:`caddtree.runtime.kernels`) and through torch's fastest bfloat16 linear there (oneDNN's
+packed one, :mod:`caddtree.runtime.packing`, where oneDNN packs bfloat16; else ``F.linear``), the two
 alternating and taking turns going first, after a warm-up of each. It prints, per row count, the
 median milliseconds of the 121 calls for each, their ratio (below 1: the kernel is faster) and
 the bandwidth the kernel reached, and checks that both compute the same products (within
@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 from caddtree.api import SpeculativeGenerator
-from caddtree.models import kernels
-from caddtree.models.packing import _kernel_packs, _pack
+from caddtree.runtime import kernels
+from caddtree.runtime.packing import _kernel_packs, _pack
 from caddtree.util.defaults import resolve_model_pair
 from caddtree.util.devices import machine_description
 

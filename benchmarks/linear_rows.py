@@ -10,7 +10,7 @@ profile`). Most of that growth is the linear layers, and what a row costs them d
 between CPUs of the same core count (docs/results/default-pair/README.md compares two).
 
 This script loads the built-in target (as decoding does: in ``--dtype``, linear weights packed for
-oneDNN, :mod:`caddtree.models.packing`) and times the seven linear layers of its first decoder
+oneDNN, :mod:`caddtree.runtime.packing`) and times the seven linear layers of its first decoder
 layer (q, k, v, o, gate, up, down) on ``--rows`` rows, with each layer's weight packed and plain,
 in alternating order, ``--repeats`` times ``--calls`` calls each. It prints the median
 microseconds of one decoder layer's seven calls, per row count, the ratio to one row, and what
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from caddtree.api import SpeculativeGenerator
-from caddtree.models.packing import pack_linear_layers, unpack_linear_layers
+from caddtree.runtime.packing import pack_linear_layers, unpack_linear_layers
 from caddtree.util.defaults import resolve_model_pair
 
 NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

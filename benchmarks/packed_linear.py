@@ -4,7 +4,7 @@
                                        [--trials 15] [--prompts 3] [--max-new-tokens 64]
 
 One process, one copy of each model: packing is switched on and off between measurements
-(:func:`caddtree.models.packing.pack_linear_layers` / ``unpack_linear_layers``), the two orders
+(:func:`caddtree.runtime.packing.pack_linear_layers` / ``unpack_linear_layers``), the two orders
 alternating, after an untimed warm-up of each and one untimed forward after each switch. Prints medians of
 
 * the target's verification forward (``TreeVerifier.verify`` and an empty ``commit``) after a
@@ -26,7 +26,7 @@ import torch
 from caddtree.api import SpeculativeGenerator
 from caddtree.core.profiling import profiling_tree
 from caddtree.core.tree import DraftTree
-from caddtree.models.packing import pack_linear_layers, unpack_linear_layers
+from caddtree.runtime.packing import pack_linear_layers, unpack_linear_layers
 from caddtree.util.defaults import resolve_model_pair
 from chat_prompts import PROMPTS as ALL_PROMPTS
 

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from caddtree.core.profiling import profiling_tree  # noqa: E402
-from caddtree.models.gguf_blocks import read_blocks  # noqa: E402
+from caddtree.runtime.gguf_blocks import read_blocks  # noqa: E402
 from caddtree.util.defaults import cache_root, smollm2_gguf_path  # noqa: E402
 from caddtree.util.devices import machine_description  # noqa: E402
 from caddtree.util.files import atomic_write, atomic_write_text  # noqa: E402
@@ -162,7 +162,7 @@ def meta_model(shape: dict):
 
 
 def caddtree_forwards(path: Path, shape: dict, args: argparse.Namespace):
-    from caddtree.models.lean import LeanVerifier
+    from caddtree.runtime.lean import LeanVerifier
 
     blocks = read_blocks(path)
     compile = "on" if args.runtime == "compiled" else "off"

@@ -23,7 +23,7 @@ made from it once by ``llama-quantize --allow-requantize`` and cached in
 ``<cache root>/llama.cpp/gguf/``, named by that file's SHA-256; a path runs that file (with
 ``--draft``, the drafter for it; default: the built-in one, trained for SmolLM2-135M). Both sides
 run the same file: caddtree computes its blocks as they are, every type of
-:data:`caddtree.models.quantized.QUANT_KINDS` (``--also-dequantized`` adds columns of the same
+:data:`caddtree.runtime.quantized.QUANT_KINDS` (``--also-dequantized`` adds columns of the same
 file de-quantized to bfloat16, caddtree's earlier path). Builds and files are written under a
 temporary name and renamed into place when complete.
 

@@ -1,11 +1,13 @@
-"""Print the import cycles among the ``caddtree`` modules, read from the source (nothing imported).
+"""Print the import cycles among the ``caddtree`` modules, and the imports against the layers,
+read from the source (nothing imported).
 
     python scripts/import_cycles.py [SRC_DIR]     # default: src next to this script
 
 Two graphs: module-level imports only (what importing a module runs), and every import including
 the ones inside functions and under ``TYPE_CHECKING`` (lazy imports). Exits 1 when either graph has
-a cycle: a lazy import only postpones a cycle to the call, and the layers of docs/design.md ("Each
-layer imports only from the layers above it") allow none. tests/test_layout.py runs the same check.
+a cycle (a lazy import only postpones a cycle to the call), or when any import, lazy ones
+included, goes the wrong way between the layers of docs/design.md (:data:`LAYERS`).
+tests/test_layout.py runs the same checks.
 """
 
 from __future__ import annotations
@@ -71,6 +73,47 @@ def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
     return found
 
 
+LAYERS: dict[str, float] = {
+    "util": 0,
+    "core": 1,
+    "caddtree": 1.5,  # the package's own __init__: its version and lazy exports
+    "runtime": 2,
+    "models": 3,
+    "engine": 4,
+    "profiles": 5,
+    "loading": 5,
+    "api": 6,
+    "arguments": 7,
+    "hf": 7,
+    "serve": 8,
+    "bench": 8,
+    "train": 9,
+    "cli": 10,
+}
+"""The layer of each part of the package (a sub-package or a top-level module): a module may import
+from its own part and from parts of a lower layer only."""
+
+
+def part(module: str) -> str:
+    """The part of the package ``module`` belongs to (``caddtree.engine.batching``: ``engine``)."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else names[0]
+
+
+def layer_violations(graph: dict[str, list[str]], layers: dict[str, float]) -> list[str]:
+    """The imports of ``graph`` from a part to a part of the same or a higher layer (and any
+    import of a part the table does not name), as ``importer -> imported`` lines."""
+    found = []
+    for module, deps in graph.items():
+        for dep in deps:
+            a, b = part(module), part(dep)
+            if a == b:
+                continue
+            if a not in layers or b not in layers or layers[b] >= layers[a]:
+                found.append(f"{module} -> {dep}")
+    return found
+
+
 def main() -> int:
     src = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "src"
     mods = modules(src)
@@ -83,7 +126,11 @@ def main() -> int:
             print("    " + " -> ".join(cycle))
         if found:
             status = 1
-    return status
+    wrong = layer_violations(import_graph(mods, lazy=True), LAYERS)
+    print(f"imports against the layers: {len(wrong)}")
+    for line in wrong:
+        print("    " + line)
+    return 1 if wrong else status
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from caddtree.models import TreeVerifier
-from caddtree.models.lean import LeanVerifier
+from caddtree.runtime.lean import LeanVerifier
 from tiny_models import MASK_TOKEN_ID, new_drafter, qwen3_target, saved_drafter, training_data
 from tiny_tokenizer import tiny_tokenizer
 

@@ -19,8 +19,8 @@ from caddtree.engine.batch_cost import BatchCostModel, profile_batch_cost_model
 from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
 from caddtree.models.batch_proposer import BatchProposer
-from caddtree.models.lean import LeanTarget
 from caddtree.profiles import batch_sizes
+from caddtree.runtime.lean import LeanTarget
 from caddtree.util.errors import CostModelError, InvalidInputError
 from sampling_checks import hf_generate
 from test_profiling import assert_convex_nondecreasing, profile_argv

@@ -140,7 +140,7 @@ def test_a_pass_grows_the_cache_and_refuses_repeated_slots(pair):
 def test_in_bfloat16_a_sequence_drafts_the_same_bits_alone_or_in_a_pass(pair):
     """With caddtree's kernels (one attention call for every block of a pass), each sequence's
     draft logits are the bits a pass of that sequence alone gives."""
-    from caddtree.models import kernels
+    from caddtree.runtime import kernels
 
     if not kernels.kernel_available():
         pytest.skip("needs caddtree's kernels (AVX512-BF16 or AVX2, and g++)")

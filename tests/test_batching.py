@@ -17,10 +17,10 @@ from caddtree import ConvexCostModel, InvalidInputError
 from caddtree.core.cost import PiecewiseLinearCurve
 from caddtree.core.sampling import Sampler
 from caddtree.core.tree import DraftTree
-from caddtree.engine import batching
+from caddtree.engine import joint_budget
 from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
-from caddtree.models.lean import LeanTarget
+from caddtree.runtime.lean import LeanTarget
 from sampling_checks import hf_generate
 from tiny_models import FEATURE_LAYER_IDS
 
@@ -159,23 +159,24 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
     caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
     lengths = [14, 22, 9, 30, 17]
     todo = [GenerationRequest(p, caddtree, n) for p, n in zip(PROMPTS, lengths)]
-    seen = []
-    original = batch._joint_trees
+    seen, rounds = [], []
+    original, step = batch.joint.trees, batch.step
 
-    def spy(drafts):
-        trees = original(drafts)
+    def spy(drafts, lengths):
+        trees = original(drafts, lengths)
         seen.append((len(batch.running), trees))
         return trees
 
-    batch._joint_trees = spy
+    batch.joint.trees = spy
+    batch.step = lambda: rounds.append(len(batch.running)) or step()
     done = batch.run(todo)
     for request in done:
         reference = hf_generate(qwen3, list(request.prompt_ids), request.max_new_tokens)
         assert request.output == reference
-    assert all((trees is not None) == (running > 1) for running, trees in seen)
-    assert {running for running, _ in seen} == set(range(1, max_batch + 1))
+    assert set(rounds) == set(range(1, max_batch + 1))
+    assert {running for running, _ in seen} == set(range(2, max_batch + 1))  # joint: 2 or more
     # the joint trees were verified
-    assert any(sum(len(t) for t in trees) > 0 for _, trees in seen if trees is not None)
+    assert any(sum(len(t) for t in trees) > 0 for _, trees in seen)
 
 
 def joint_decoder(target, drafter, max_batch):
@@ -197,10 +198,10 @@ def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_
     committed token's features when it drafts again, so outputs stay plain greedy decoding.
     Without the margin drafting must win by, a free drafter pass is never skipped (a round with
     no nodes ties with plain decoding)."""
-    monkeypatch.setattr(batching, "_DRAFT_MARGIN", 1.0)
+    monkeypatch.setattr(joint_budget, "_DRAFT_MARGIN", 1.0)
     batch = joint_decoder(qwen3, drafter, 3)
-    batch._draft_cost = lambda sequences, rows, model: draft_cost  # the timed cost, made exact
-    batch._misses.remember = lambda *measured: None  # and nothing measured beside it
+    batch.joint._draft_cost = lambda sequences, rows: draft_cost  # the timed cost, made exact
+    batch.joint._misses.remember = lambda *measured: None  # and nothing measured beside it
     passes = []
     propose = batch.proposer.propose
     batch.proposer.propose = lambda calls, q=None: passes.append(len(calls)) or propose(calls, q)
@@ -212,7 +213,7 @@ def test_a_joint_batch_skips_drafting_where_it_cannot_pay(qwen3, drafter, draft_
     if draft_cost == 0.0:  # every round drafts but a last one with one token left
         assert len(passes) >= rounds - 1
     else:
-        assert len(passes) <= rounds // (batching._SKIP_ROUNDS + 1) + 1
+        assert len(passes) <= rounds // (joint_budget._SKIP_ROUNDS + 1) + 1
 
 
 def test_a_joint_batch_calibrates_and_drafts_as_deep_as_its_trees_went(qwen3, drafter):
@@ -220,11 +221,11 @@ def test_a_joint_batch_calibrates_and_drafts_as_deep_as_its_trees_went(qwen3, dr
     showed (``calibration``: accepted nodes over prefix mass, with a prior of 4 at face value),
     and drafts a margin past the deepest node of its recent rounds."""
     batch = joint_decoder(qwen3, drafter, 3)
-    assert batch.calibration == 1.0 and batch._joint_reach() is None
+    assert batch.calibration == 1.0 and batch.joint.reach() is None
     sizes = []
     propose = batch.proposer.propose
     batch.proposer.propose = lambda calls, q: (
-        sizes.append((batch._joint_reach(), q)) or propose(calls, q)
+        sizes.append((batch.joint.reach(), q)) or propose(calls, q)
     )
     caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
     done = batch.run([GenerationRequest(p, caddtree, 30) for p in PROMPTS[:3]])
@@ -232,13 +233,13 @@ def test_a_joint_batch_calibrates_and_drafts_as_deep_as_its_trees_went(qwen3, dr
         assert request.output == hf_generate(qwen3, list(request.prompt_ids), 30)
     trees = [s for r in done for s in r.round_stats if s.budget]
     mass, accepted = sum(s.phi for s in trees), sum(s.accepted for s in trees)
-    assert 0 < len(trees) <= batching._CALIBRATION_TREES
+    assert 0 < len(trees) <= joint_budget._CALIBRATION_TREES
     assert batch.calibration == pytest.approx((accepted + 4.0) / (mass + 4.0))
     assert len(sizes) > 1 and sizes[0][0] is None  # the first pass drafts whole blocks
     for reach, q in sizes[1:]:
         assert reach is not None and all(size <= reach + 1 for size in q)
-    deepest = max(batch._joint_depths)
-    assert batch._joint_reach() == deepest + batching._DEPTH_MARGIN
+    deepest = max(batch.joint._depths)
+    assert batch.joint.reach() == deepest + joint_budget._DEPTH_MARGIN
 
 
 def test_outside_joint_rounds_a_caddtree_request_drafts_as_deep_as_it_can(qwen3, drafter):
@@ -251,7 +252,7 @@ def test_outside_joint_rounds_a_caddtree_request_drafts_as_deep_as_it_can(qwen3,
     for _ in range(3):
         batch.step()
     assert all(len(r.output) < 60 - drafter.block_size for r in batch.running)
-    assert batch._joint_reach() is not None and batch._joint_reach() + 1 < drafter.block_size
+    assert batch.joint.reach() is not None and batch.joint.reach() + 1 < drafter.block_size
     batch.add(GenerationRequest(PROMPTS[2], make_policy("ddtree", budget=4), 20))
     seen = []
     propose = batch.proposer.propose
@@ -263,7 +264,7 @@ def test_outside_joint_rounds_a_caddtree_request_drafts_as_deep_as_it_can(qwen3,
 def test_what_the_cost_model_leaves_out_is_measured():
     """The seconds a joint round takes beyond its modelled cost: a plain round's, and per
     drafting request what a drafting round takes beyond that; medians, 0 before three."""
-    misses = batching._CostMisses()
+    misses = joint_budget._CostMisses()
     misses.remember(0.010, 0, 0.012)
     assert misses.plain_s == 0.0 and misses.per_draft_s == 0.0
     for seconds in (0.011, 0.013):
@@ -286,33 +287,33 @@ def test_measured_rates_decide_whether_a_joint_batch_drafts(qwen3, drafter):
     for prompt in PROMPTS[:2]:
         batch.add(GenerationRequest(prompt, caddtree, 30))
     batch.step()
-    assert sum(len(kept) for kept in batch._rates.values()) == 1  # the round was timed
-    assert batch._measured_rates(2) is None  # one kind only: not enough to compare
+    assert sum(len(kept) for kept in batch.joint._rates.values()) == 1  # the round was timed
+    assert batch.joint._measured_rates(2) is None  # one kind only: not enough to compare
     dear = np.full(30, 10.0)  # a surrogate that says drafting never pays
     for drafted, seconds in ((True, 1.0), (False, 2.0)):  # drafting measured twice as fast
-        batch._rates[(2, drafted)] = deque([(4, seconds)] * 4)
-    batch._skip = (0, 0)
-    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
-    assert batch._skip == (0, 0)
-    batch._rates[(2, False)] = deque([(4, 0.5)] * 4)  # now plain rounds are faster
+        batch.joint._rates[(2, drafted)] = deque([(4, seconds)] * 4)
+    batch.joint._skip = (0, 0)
+    batch.joint._judge(2, [DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
+    assert batch.joint._skip == (0, 0)
+    batch.joint._rates[(2, False)] = deque([(4, 0.5)] * 4)  # now plain rounds are faster
     windows = []
     for _ in range(7):  # each judgement in a row against drafting doubles the window, up to 16x
-        batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), 10.0, kappa=1.0)
-        windows.append(batch._skip[1])
-    assert batch._skip[0] == 2
-    assert windows == [batching._SKIP_ROUNDS * k for k in (1, 2, 4, 8, 16, 16, 16)]
-    batch._rates[(2, False)] = deque([(4, 2.0)] * 4)  # drafting faster again: back to 1x
-    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
-    batch._rates[(2, False)] = deque([(4, 0.5)] * 4)
-    batch._judge_drafting([DraftTree.empty()] * 2, np.full(30, 1e-3), 10.0, kappa=1.0)
-    assert batch._skip == (2, batching._SKIP_ROUNDS)
+        batch.joint._judge(2, [DraftTree.empty()] * 2, np.full(30, 1e-3), 10.0, kappa=1.0)
+        windows.append(batch.joint._skip[1])
+    assert batch.joint._skip[0] == 2
+    assert windows == [joint_budget._SKIP_ROUNDS * k for k in (1, 2, 4, 8, 16, 16, 16)]
+    batch.joint._rates[(2, False)] = deque([(4, 2.0)] * 4)  # drafting faster again: back to 1x
+    batch.joint._judge(2, [DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
+    batch.joint._rates[(2, False)] = deque([(4, 0.5)] * 4)
+    batch.joint._judge(2, [DraftTree.empty()] * 2, np.full(30, 1e-3), 10.0, kappa=1.0)
+    assert batch.joint._skip == (2, joint_budget._SKIP_ROUNDS)
     # drafting measured faster, but by less than the margin it must win by: not enough
-    batch._skip, batch._slower[2] = (0, 0), 0
-    batch._rates[(2, True)] = deque([(4, 1.0)] * 4)
-    batch._rates[(2, False)] = deque([(4, 1.02)] * 4)
-    assert batch._measured_rates(2)[0] > batch._measured_rates(2)[1]
-    batch._judge_drafting([DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
-    assert batch._skip == (2, batching._SKIP_ROUNDS)
+    batch.joint._skip, batch.joint._slower[2] = (0, 0), 0
+    batch.joint._rates[(2, True)] = deque([(4, 1.0)] * 4)
+    batch.joint._rates[(2, False)] = deque([(4, 1.02)] * 4)
+    assert batch.joint._measured_rates(2)[0] > batch.joint._measured_rates(2)[1]
+    batch.joint._judge(2, [DraftTree.empty()] * 2, dear, plain_cost=0.001, kappa=1.0)
+    assert batch.joint._skip == (2, joint_budget._SKIP_ROUNDS)
 
 
 def test_requests_made_by_the_generator_decode_as_generate_does(tiny_pair_dirs):
@@ -358,7 +359,7 @@ def test_the_compiled_batch_graph_decodes_each_request_as_it_decodes_alone():
     one-sequence graphs."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from caddtree.models import compiled, kernels
+    from caddtree.runtime import compiled, kernels
     from test_packing import make_gen
 
     if not kernels.kernel_available():
@@ -437,3 +438,21 @@ def test_sampled_tokens_in_a_batch_are_distributed_as_the_processed_target():
     assert len(done) == 2000 and counts.sum() == 3 * 2000
     assert sum(r.accepted for r in done) > 500  # tree rows, not only bonus rows, were sampled
     assert_three_token_marginals(model, MARGINAL_PROMPT, counts, Sampler(**MARGINAL_SETTINGS))
+
+
+@pytest.mark.parametrize("method", ["ddtree", "caddtree"])
+def test_batched_round_statistics_add_up_as_a_single_requests_do(qwen3, drafter, method):
+    """Every batched round's statistics keep engine/stats.py's rule: ``round_s`` covers
+    ``draft_s + tree_s + verify_s`` and ``verify_s`` covers ``forward_s``; the tree build
+    (own trees, or the joint budget's) is timed on its own."""
+    batch = joint_decoder(qwen3, drafter, 3)
+    settings = {"budget": 6} if method == "ddtree" else {"cost_model": COST, "max_budget": 24}
+    policy = make_policy(method, **settings)
+    done = batch.run([GenerationRequest(p, policy, 20) for p in PROMPTS[:3]])
+    stats = [s for r in done for s in r.round_stats]
+    assert len(stats) >= 3
+    for s in stats:
+        assert s.round_s >= s.draft_s + s.tree_s + s.verify_s - 1e-9
+        assert s.verify_s >= s.forward_s > 0 and min(s.draft_s, s.tree_s) >= 0
+    assert any(s.tree_s > 0 for s in stats if s.budget)
+    assert all(s.round_s > s.verify_s for s in stats if s.budget)  # the draft and tree count

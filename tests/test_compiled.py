@@ -1,4 +1,4 @@
-"""The compiled runtime (caddtree.models.compiled) computes what transformers computes.
+"""The compiled runtime (caddtree.runtime.compiled) computes what transformers computes.
 
 On the tiny Llama and Qwen3 targets in float32 (inductor's CPU path needs packed weights, which
 float64 has not): logits and feature layers within 1e-4 relative of transformers' through a
@@ -18,9 +18,10 @@ import torch
 
 from caddtree import InvalidInputError, SpeculativeGenerator
 from caddtree.core.tree import DraftTree
-from caddtree.models import TreeVerifier, lean
-from caddtree.models.compiled import CompiledLayers
-from caddtree.models.lean import LeanVerifier
+from caddtree.models import TreeVerifier
+from caddtree.runtime import lean
+from caddtree.runtime.compiled import CompiledLayers
+from caddtree.runtime.lean import LeanVerifier
 from test_lean import LAYERS, assert_same, deep_path, prompt, tree
 from tiny_models import llama_target, new_drafter, qwen3_target
 
@@ -216,7 +217,7 @@ def test_it_is_refused_where_it_cannot_run_and_auto_falls_back(model, monkeypatc
 
     monkeypatch.setattr(lean.LeanTarget, "_warm_up", broken)
     bf16 = qwen3_target("sdpa").to(torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="caddtree.models.lean"):
+    with caplog.at_level(logging.WARNING, logger="caddtree.runtime.lean"):
         fallen = LeanVerifier(bf16, (), compile="auto")
     assert fallen.runtime == "lean" and "compiling the target's layers failed" in caplog.text
     assert "no compiler today" in caplog.text
@@ -231,7 +232,7 @@ def test_inductor_caches_go_to_caddtree_unless_the_user_chose(monkeypatch, tmp_p
     is imported; that counts as unset, a directory the user chose is kept."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from caddtree.models.compiled import _choose_inductor_cache
+    from caddtree.runtime.compiled import _choose_inductor_cache
 
     monkeypatch.setenv("CADDTREE_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())

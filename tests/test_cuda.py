@@ -12,7 +12,7 @@ import torch
 from caddtree import SpeculativeGenerator
 from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
-from caddtree.models.lean import LeanTarget
+from caddtree.runtime.lean import LeanTarget
 from sampling_checks import hf_generate
 from tiny_models import FEATURE_LAYER_IDS, new_drafter, qwen3_target
 

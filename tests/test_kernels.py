@@ -1,4 +1,4 @@
-"""caddtree's bfloat16 linear kernel (caddtree.models.kernels): what it computes, that a row's
+"""caddtree's bfloat16 linear kernel (caddtree.runtime.kernels): what it computes, that a row's
 result does not depend on the rows beside it, where it applies, how it is turned off, and that
 packed layers and the lean runtime run on it."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from caddtree.models import kernels, packing
-from caddtree.models.packing import pack_linear_layers, pack_weight, packed_linear
+from caddtree.runtime import kernels, packing
+from caddtree.runtime.packing import pack_linear_layers, pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(
     not kernels.kernel_available(),
@@ -71,7 +71,7 @@ def test_amx_is_used_where_the_cpu_has_it_unless_turned_off():
     import subprocess
     import sys
 
-    code = "from caddtree.models import kernels; print(kernels.amx_in_use())"
+    code = "from caddtree.runtime import kernels; print(kernels.amx_in_use())"
 
     def in_use(**env: str) -> str:
         done = subprocess.run(
@@ -100,12 +100,15 @@ def test_the_greedy_choice_kernel_is_torch_argmax(rows, vocab):
         logits[4, [9, 31]] = float("nan")
         logits[5, vocab - 1] = float("nan")  # in the tail
         logits[6, 17] = float("inf")
-    chosen = kernels.argmax_rows(logits)
+    from caddtree.core.sampling import argmax_rows
+
+    kernels.kernel_available()  # loads the kernels, which register the op where the build has it
+    chosen = argmax_rows(logits)
     if kernels.kernel_variant() != "avx512-bf16":
         assert chosen is None  # the AVX2 build leaves it to torch
         return
     assert torch.equal(chosen, torch.argmax(logits.float(), -1))
-    assert kernels.argmax_rows(logits.float()) is None
+    assert argmax_rows(logits.float()) is None
     from caddtree.core.sampling import greedy_choices
 
     assert torch.equal(greedy_choices(logits), chosen)
@@ -129,7 +132,7 @@ def test_bad_inputs_get_clear_errors():
         kernels.rows_linear(torch.randn(2, 39).bfloat16(), packed)
     with pytest.raises(RuntimeError, match="bfloat16 input and weight expected"):
         kernels.rows_linear(torch.randn(2, 40), packed)
-    with pytest.raises(RuntimeError, match="packed by caddtree.models.kernels.pack_rows"):
+    with pytest.raises(RuntimeError, match="packed by caddtree.runtime.kernels.pack_rows"):
         kernels.rows_linear(torch.randn(2, 40).bfloat16(), weight)
     with pytest.raises(RuntimeError, match="bias has 3 values, not 64"):
         kernels.rows_linear(torch.randn(2, 40).bfloat16(), packed, torch.ones(3).bfloat16())
@@ -217,7 +220,7 @@ def test_the_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
 def test_the_lean_runtime_runs_its_layers_on_the_kernel():
     """The tiny Qwen3 target in bfloat16: every fused linear layer of the lean runtime is packed
     for the kernel, and its logits stay as close to transformers' bfloat16 ones as before."""
-    from caddtree.models.lean import LeanVerifier
+    from caddtree.runtime.lean import LeanVerifier
     from tiny_models import qwen3_target
 
     model = qwen3_target("sdpa").to(torch.bfloat16)
@@ -360,7 +363,7 @@ def test_the_lean_runtime_attends_with_the_kernel_as_with_sdpa():
     features are as close to the float64 forward's as with SDPA."""
     import numpy as np
 
-    from caddtree.models.lean import LeanTarget, Rows
+    from caddtree.runtime.lean import LeanTarget, Rows
     from tiny_models import qwen3_target
 
     visibility = np.tril(np.ones((4, 4), dtype=bool))

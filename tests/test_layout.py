@@ -4,6 +4,7 @@ functions, and no module so long that a reader cannot hold it (docs/design.md, "
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 MAX_MODULE_LINES = 650
+MAX_FUNCTION_LINES = 80
 
 
 def _cycle_finder():
@@ -45,6 +47,65 @@ def test_the_cycle_finder_sees_a_cycle_through_a_lazy_import(tmp_path):
     assert finder.cycles(finder.import_graph(mods, lazy=True)) == [
         ["caddtree.a", "caddtree.b", "caddtree.a"]
     ]
+
+
+def test_every_import_keeps_the_layers():
+    finder = _cycle_finder()
+    graph = finder.import_graph(finder.modules(SRC), lazy=True)
+    parts = {finder.part(m) for m in graph}
+    assert parts <= set(finder.LAYERS), f"parts the layer table does not name: {parts}"
+    assert finder.layer_violations(graph, finder.LAYERS) == []
+
+
+def test_the_layer_check_finds_a_wrong_way_import(tmp_path):
+    """A lower layer importing a higher one (core from engine, inside a function) is caught."""
+    package = tmp_path / "caddtree"
+    for name in ("core", "engine"):
+        (package / name).mkdir(parents=True)
+        (package / name / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "engine" / "loop.py").write_text("from ..core.tree import f\n")
+    (package / "core" / "tree.py").write_text(
+        "def f():\n    from ..engine.loop import g\n\n    return g\n"
+    )
+    finder = _cycle_finder()
+    graph = finder.import_graph(finder.modules(tmp_path), lazy=True)
+    assert finder.layer_violations(graph, finder.LAYERS) == [
+        "caddtree.core.tree -> caddtree.engine.loop"
+    ]
+    # and the real package, with the same import planted in a copy of core/sampling.py
+    src = tmp_path / "src"
+    shutil.copytree(SRC / "caddtree", src / "caddtree")
+    sampling = src / "caddtree" / "core" / "sampling.py"
+    sampling.write_text(
+        sampling.read_text() + "\n\ndef planted():\n    from ..engine import batching\n"
+    )
+    real = finder.import_graph(finder.modules(src), lazy=True)
+    assert finder.layer_violations(real, finder.LAYERS) == [
+        "caddtree.core.sampling -> caddtree.engine.batching"
+    ]
+
+
+def test_no_two_modules_share_a_file_name():
+    names: dict[str, list[str]] = {}
+    for path in (SRC / "caddtree").rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(path.name, []).append(str(path.relative_to(SRC)))
+    assert len(names) > 20
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_no_function_is_over_the_length_limit():
+    import ast
+
+    long = {}
+    for path in sorted((SRC / "caddtree").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(SRC)}:{node.name}"] = lines
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}; split them"
 
 
 def test_no_module_is_over_the_length_limit():

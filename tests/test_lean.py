@@ -16,8 +16,9 @@ import torch
 from caddtree import InvalidInputError, SpeculativeGenerator
 from caddtree.core.profiling import profiling_tree
 from caddtree.core.tree import DraftTree, verification_rows
-from caddtree.models import TreeVerifier, lean
-from caddtree.models.lean import LeanTarget, LeanVerifier, Rows, lean_unsupported
+from caddtree.models import TreeVerifier
+from caddtree.runtime import lean
+from caddtree.runtime.lean import LeanTarget, LeanVerifier, Rows, lean_unsupported
 from tiny_models import VOCAB, llama_target, new_drafter, qwen3_target
 
 TARGETS = {"qwen3": qwen3_target, "llama": llama_target}
@@ -225,10 +226,10 @@ def test_the_generator_picks_the_lean_runtime_and_both_decode_alike(qwen3, draft
 def test_packing_that_would_not_fit_in_memory_is_skipped_with_a_warning(monkeypatch, caplog):
     model = qwen3_target().to(torch.float32)
     assert LeanTarget(model, ()).layers[0].qkv.packed is not None
-    from caddtree.models import packing
+    from caddtree.runtime import packing
 
     monkeypatch.setattr(packing, "available_memory", lambda: 1000)
-    with caplog.at_level("WARNING", logger="caddtree.models.packing"):
+    with caplog.at_level("WARNING", logger="caddtree.runtime.packing"):
         runtime = LeanTarget(model, ())
     assert "not packing" in caplog.text
     assert all(layer.qkv.packed is None for layer in runtime.layers)
@@ -236,7 +237,7 @@ def test_packing_that_would_not_fit_in_memory_is_skipped_with_a_warning(monkeypa
 
 def test_auto_picks_the_lean_runtime_on_the_cpu_only(qwen3):
     """On another device ``auto`` keeps transformers' forward (lean is asked for by name there)."""
-    from caddtree.api import runtime_choice
+    from caddtree.loading import runtime_choice
 
     assert SpeculativeGenerator(qwen3, None, None).runtime == "lean"
     assert runtime_choice("auto", "cpu", None) == "auto"  # lean, compiled where that wins

@@ -1,4 +1,4 @@
-"""Linear layers packed for oneDNN on the CPU (caddtree.models.packing): what they compute, when
+"""Linear layers packed for oneDNN on the CPU (caddtree.runtime.packing): what they compute, when
 they fall back to the plain layer, and that decoding with them stays lossless."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from caddtree import ConvexCostModel
 from caddtree.api import SpeculativeGenerator
 from caddtree.core.cost import PiecewiseLinearCurve
-from caddtree.models.kernels import kernel_available
-from caddtree.models.packing import (
+from caddtree.runtime.kernels import kernel_available
+from caddtree.runtime.packing import (
     pack_linear_layers,
     pack_weight,
     packed_linear_count,
@@ -127,7 +127,7 @@ def test_what_is_not_packed():
 
 def test_packing_that_would_not_fit_in_memory_is_skipped_with_a_warning(caplog):
     layer = linear(torch.float32)
-    with caplog.at_level(logging.WARNING, logger="caddtree.models.packing"):
+    with caplog.at_level(logging.WARNING, logger="caddtree.runtime.packing"):
         assert pack_linear_layers(layer, memory_limit=100) == 0
     assert "not packing" in caplog.text and "GiB" in caplog.text
     assert packed_linear_count(layer) == 0

@@ -1,4 +1,4 @@
-"""GGUF's quantized blocks computed directly (caddtree.models.quantized, csrc/linear_q.cpp): the
+"""GGUF's quantized blocks computed directly (caddtree.runtime.quantized, csrc/linear_q.cpp): the
 kernel's products against float64 references built from the gguf package's own de-quantization,
 a row's bits alone and among others, and every decoding method equal to plain decoding on
 quantized weights; reading blocks from a GGUF file, and its errors."""
@@ -17,10 +17,10 @@ from gguf import GGMLQuantizationType
 from caddtree.engine.batching import BatchDecoder, GenerationRequest
 from caddtree.engine.decoding import make_policy
 from caddtree.models import DFlashProposer
-from caddtree.models.gguf_blocks import Blocks, check_blocks, read_blocks
-from caddtree.models.layers import FUSED_LINEARS
-from caddtree.models.lean import LeanTarget, LeanVerifier
-from caddtree.models.quantized import (
+from caddtree.runtime.gguf_blocks import Blocks, check_blocks, read_blocks
+from caddtree.runtime.layers import FUSED_LINEARS
+from caddtree.runtime.lean import LeanTarget, LeanVerifier
+from caddtree.runtime.quantized import (
     QUANT_KINDS,
     QuantLinear,
     QuantStack,
@@ -340,7 +340,7 @@ def test_a_wrong_head_count_is_caught_by_the_check(tmp_path):
     write_gguf(path, model, blocks)
     read = read_blocks(path)
     name = "model.layers.0.self_attn.q_proj.weight"
-    from caddtree.models.gguf_blocks import _unpermute
+    from caddtree.runtime.gguf_blocks import _unpermute
 
     raw = permute_for_ggml(blocks[name].raw, 2)
     read[name] = read[name]._replace(raw=_unpermute(raw, 1))
@@ -385,8 +385,8 @@ def test_the_models_own_weights_are_freed_where_blocks_run():
 
 def test_a_generator_on_blocks_says_what_it_computes_on(tmp_path):
     from caddtree.api import SpeculativeGenerator
-    from caddtree.models.gguf_blocks import gguf_location, gguf_source
     from caddtree.profiles import cost_ident
+    from caddtree.runtime.gguf_blocks import gguf_location, gguf_source
 
     model, blocks = quantized_model(qwen3_target(), 3)
     drafter = new_drafter(qwen3_target()).to(torch.bfloat16)
@@ -408,9 +408,9 @@ def test_a_generator_on_blocks_says_what_it_computes_on(tmp_path):
 AVX2_BUILD = """
 import sys
 import torch
-from caddtree.models import kernels
+from caddtree.runtime import kernels
 kernels._variant = lambda: kernels._AVX2  # this CPU may have AVX-512: build the AVX2 kernels
-from caddtree.models.quantized import QuantLinear, quantized_kernel_available
+from caddtree.runtime.quantized import QuantLinear, quantized_kernel_available
 assert quantized_kernel_available() and kernels.kernel_variant() == "avx2"
 case = torch.load(sys.argv[1], weights_only=True)
 out = {"q": torch.ops.caddtree.quantize_input(case["x"])[0]}

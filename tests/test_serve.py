@@ -481,8 +481,8 @@ def test_queue_bound_counts_the_running_request():
     """max_queue requests wait behind the running one; max_queue=0 serves one at a time."""
     import asyncio
 
-    from caddtree.serve.engine import Engine, Job, QueueFull
     from caddtree.serve.metrics import ServerMetrics
+    from caddtree.serve.worker import Engine, Job, QueueFull
 
     release = threading.Event()
 

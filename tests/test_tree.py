@@ -384,7 +384,7 @@ def test_rows_of_ties_are_read_until_something_is_usable():
 def test_chunked_selection_finds_the_k_largest(extra, k, levels, spike, dtype, seed):
     """The chunk-max selection returns exactly the ``k`` largest values, at indices holding
     them: with ties (few levels), the best entries in the short last chunk, rows of -inf."""
-    from caddtree.core.rows import CHUNK, top_candidates
+    from caddtree.core.logit_rows import CHUNK, top_candidates
 
     vocab = 8 * 32 * CHUNK + extra  # large enough for the chunked path at every k drawn
     rng = np.random.default_rng(seed)

@@ -1,6 +1,8 @@
-"""Cost models cached per machine: what a profile depends on (:func:`cost_ident`, its cache
-key), one profile per cache file at a time (:func:`cached_profile`), and the batch cost model of
-a generator (:func:`cached_batch_cost_model`)."""
+"""Cost models of a :class:`~caddtree.api.SpeculativeGenerator`, measured on this machine and
+cached per machine: a profile of the pair (:func:`profile_generator`), what it depends on
+(:func:`cost_ident`, its cache key), one profile per cache file at a time
+(:func:`cached_profile`), and the cost model and batch cost model read from the cache or
+profiled once (:func:`cached_cost_model`, :func:`cached_batch_cost_model`)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 
-from .models.kernels import amx_in_use, kernel_in_use, source_digest
+from .core.cost import CostModel, load_cost_model
+from .runtime.kernels import amx_in_use, kernel_in_use, source_digest
 from .util.defaults import cache_root
-from .util.devices import machine_description, weights_digest
+from .util.devices import CPU_SLOW_HALF, dtype_name, machine_description, weights_digest
 from .util.errors import CaddtreeError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -25,12 +28,104 @@ if TYPE_CHECKING:
 __all__ = [
     "batch_sizes",
     "cached_batch_cost_model",
+    "cached_cost_model",
     "cached_profile",
     "cost_ident",
     "profile_batches",
+    "profile_generator",
 ]
 
 logger = logging.getLogger("caddtree.api")
+
+SLOW_PROFILE_S = 300.0
+"""A first-use profile estimated to take longer than this (seconds) comes with a hint how to
+avoid it."""
+
+
+def profile_generator(gen: Any, **kwargs: Any) -> CostModel:
+    """:meth:`SpeculativeGenerator.profile <caddtree.api.SpeculativeGenerator.profile>`: measure
+    the target and drafter of ``gen`` on this machine and fit a cost model."""
+    from .core.profiling import profile_cost_model
+
+    if gen.proposer is None:
+        raise InvalidInputError("profiling the drafting cost needs a drafter")
+    meta = {"machine": machine_description(gen.verifier.device), "dtype": str(gen.verifier.dtype)}
+    meta.update(getattr(gen, "source", {}))
+    return profile_cost_model(gen.verifier, gen.proposer, metadata=meta, **kwargs)
+
+
+def profile_duration(gen: Any, settings: dict[str, Any]) -> str:
+    """How long a profile of ``gen`` with ``settings`` will take, said for a person (see
+    :func:`caddtree.core.profiling.estimate_profile_seconds`), with a hint when a half-precision
+    dtype makes it slow on a CPU."""
+    from .core.profiling import describe_duration, estimate_profile_seconds
+
+    seconds = estimate_profile_seconds(gen.verifier, gen.proposer, **settings)
+    text = f"{describe_duration(seconds)}, estimated"
+    if seconds > SLOW_PROFILE_S and gen.verifier.device.type == "cpu":
+        dtype = dtype_name(gen.verifier.dtype)
+        if gen.verifier.dtype in CPU_SLOW_HALF:
+            other = " or ".join(d for d in ("float32", "bfloat16") if d != dtype)
+            text += (
+                f"; {dtype} may have no fast kernels on this CPU: the dtype {other} may "
+                "profile and decode several times faster; or give a cost model "
+                "(--cost-model / cost_model=) to skip profiling"
+            )
+        else:
+            text += "; give a cost model (--cost-model / cost_model=) to skip profiling"
+    return text
+
+
+def default_profile_lengths(gen: Any) -> list[int]:
+    """Context lengths for the automatic profile: up to 1024, within the model's window."""
+    from .core.profiling import max_profile_context_length
+
+    room = max_profile_context_length(gen.verifier, gen.proposer)
+    room = 10**9 if room is None else room
+    lengths = [x for x in (0, 256, 512, 1024) if x <= room]
+    if len(lengths) < 2:
+        lengths = sorted({0, room // 2, room})
+    return lengths
+
+
+def cached_cost_model(
+    gen: Any, cache_dir: str | os.PathLike[str] | None = None, **kwargs: Any
+) -> CostModel:
+    """:meth:`SpeculativeGenerator.cached_cost_model <caddtree.api.SpeculativeGenerator.
+    cached_cost_model>`: the cost model of ``gen`` read from the cache, or profiled once (by
+    ``gen.profile``, measured twice where the first fit is noisy) and cached."""
+    if gen.proposer is None:
+        raise InvalidInputError(
+            "a cost model times the drafter's pass too, and this generator has no drafter: "
+            "load it with one (from_pretrained(target, draft))"
+        )
+    ident = {**cost_ident(gen), "grid": {k: str(v) for k, v in sorted(kwargs.items())}}
+
+    def profile() -> CostModel:
+        if "context_lengths" not in kwargs:
+            kwargs["context_lengths"] = default_profile_lengths(gen)
+        settings = {"trials": 3, "warmup": 1, **kwargs}
+        logger.warning(
+            "no cost model for this model pair and machine yet; profiling it once (%s), "
+            "then caching it",
+            profile_duration(gen, settings),
+        )
+        model = gen.profile(**settings)
+        if model.noisy:
+            logger.warning("%s", model.noise_warning("measuring once more"))
+            model = max(model, gen.profile(**settings), key=lambda m: m.quality)
+        return model
+
+    path, model = cached_profile("cost", ident, cache_dir, profile)
+    if model is None:
+        return load_cost_model(path)
+    logger.info("cost model saved to %s\n%s", path, model.fit_report())
+    warning = model.noise_warning(
+        f"measured twice. For a better fit, delete {path} and run again on a quiet machine."
+    )
+    if warning:
+        logger.warning("%s", warning)
+    return model
 
 
 def cost_ident(gen: Any) -> dict[str, Any]:
@@ -51,12 +146,11 @@ def cost_ident(gen: Any) -> dict[str, Any]:
         "runtime": gen.runtime,
         # and between weight formats (bfloat16, or a GGUF file's blocks computed as they are)
         "weights": getattr(gen, "weight_format", None),
-        # and between caddtree's bfloat16 kernels and torch's (caddtree.models.kernels)
+        # and between caddtree's bfloat16 kernels and torch's (caddtree.runtime.kernels)
         "linear_kernel": gen.packed_layers > 0 and kernel_in_use(gen.verifier.dtype),
         "attention_kernel": gen.runtime != "transformers" and gen.verifier.target.fused_attention,
         "kernel_sources": source_digest() if kernel_in_use(gen.verifier.dtype) else None,
-        # and with the linear kernel on the AMX tile unit or not (added 2026-11-27: every cost
-        # model cached before is measured again once, as the kernels' sources changed too)
+        # and with the linear kernel on the AMX tile unit or not
         "amx": kernel_in_use(gen.verifier.dtype) and amx_in_use(),
         "machine": machine_description(gen.verifier.device),
         # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the

@@ -250,7 +250,7 @@ def _bench_meta(args: Any, gen: Any, needs_draft: bool) -> dict[str, Any]:
         "torch": torch.__version__,
         "caddtree": __version__,
         "threads": torch.get_num_threads(),
-        # linear layers packed for oneDNN (caddtree.models.packing): they change every timing
+        # linear layers packed for oneDNN (caddtree.runtime.packing): they change every timing
         "packed_layers": gen.packed_layers,
         "runtime": gen.runtime,
         # what the linear layers computed on (a GGUF's blocks, or the dtype's own weights);

@@ -159,11 +159,7 @@ def explain_divergence(
     check_int("window", window)
     if ar == other:
         return None
-    position = next(
-        (i for i, (a, b) in enumerate(zip(ar, other)) if a != b), min(len(ar), len(other))
-    )
-    ar_token = ar[position] if position < len(ar) else None
-    method_token = other[position] if position < len(other) else None
+    position, ar_token, method_token = _first_difference(ar, other)
     context = prompt + ar[:position]
     verifier = gen.verifier
     try:
@@ -186,19 +182,13 @@ def explain_divergence(
     name = dtype_name(dtype)
     threshold = near_tie_threshold(dtype, ar_top)
     near_tie, verdict = _verdict(dtype, method, pair_gap, threshold)
-
-    def text(tok: int | None) -> str:
-        if tok is None or gen.tokenizer is None:
-            return ""
-        return gen.tokenizer.decode([tok])
-
     return Divergence(
         position=position,
         method=method,
         ar_token=ar_token,
         method_token=method_token,
-        ar_text=text(ar_token),
-        method_text=text(method_token),
+        ar_text=_token_text(gen.tokenizer, ar_token),
+        method_text=_token_text(gen.tokenizer, method_token),
         ar_top2_gap=ar_gap,
         ar_pair_gap=pair_gap,
         ar_top_logit=ar_top,
@@ -211,6 +201,19 @@ def explain_divergence(
         near_tie=near_tie,
         verdict=verdict,
     )
+
+
+def _first_difference(ar: list[int], other: list[int]) -> tuple[int, int | None, int | None]:
+    """Where two outputs first differ, and their tokens there (``None`` past an output's end)."""
+    position = next(
+        (i for i, (a, b) in enumerate(zip(ar, other)) if a != b), min(len(ar), len(other))
+    )
+    ar_token = ar[position] if position < len(ar) else None
+    return position, ar_token, other[position] if position < len(other) else None
+
+
+def _token_text(tokenizer: Any, token: int | None) -> str:
+    return "" if token is None or tokenizer is None else tokenizer.decode([token])
 
 
 def _replay_ar(verifier: Any, prompt: list[int], agreed: list[int]) -> torch.Tensor:

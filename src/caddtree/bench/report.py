@@ -85,28 +85,8 @@ def _figures(
             "Fig. 5 — CaDDTree per-round budget distribution, temperature "
             f"{temperature_label(t)}; dashed: the DDTree-oracle n*.",
         )
-    if trees_path.is_file():
-        trees = load_trees(trees_path, notes)
-        groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
-        for rec in trees:
-            groups.setdefault(
-                (float(rec["temperature"]), rec["dataset"], rec["method"]), []
-            ).append(rec)
-        for (t, d, m), recs in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], dataset_key(kv[0][1]), kv[0][2])
-        ):
-            name = f"fig6_trees_{_slug(d)}_{_slug(m)}_T{temperature_label(t)}.png"
-            add(
-                plot_trees(recs, out / name),
-                f"Fig. 6 — {m} draft trees on {dataset_name(d)}, temperature "
-                f"{temperature_label(t)}, smallest and largest n*: orange = bonus token (root), "
-                "green = accepted tokens (↑k: k-th most probable sibling), + N = a rejected "
-                "subtree of N nodes.",
-            )
-        if not trees:
-            notes.append(f"Fig. 6 skipped: {trees_path.name} holds no trees.")
-    else:
-        notes.append(f"Fig. 6 skipped: no draft-trees file {trees_path.name} next to the results.")
+    for path, caption in _tree_figures(trees_path, out, notes):
+        add(path, caption)
     if cost_model is not None:
         from ..core.profiling import plot_cost_model
 
@@ -120,6 +100,36 @@ def _figures(
                 "Fig. 4 — verification latency vs draft nodes per context length, with the "
                 "fitted convex cost model.",
             )
+    return figures
+
+
+def _tree_figures(trees_path: Path, out: Path, notes: list[str]) -> list[tuple[Path | None, str]]:
+    """Fig. 6 for each temperature, dataset and method of the draft-trees file (skips noted)."""
+    if not trees_path.is_file():
+        notes.append(f"Fig. 6 skipped: no draft-trees file {trees_path.name} next to the results.")
+        return []
+    trees = load_trees(trees_path, notes)
+    if not trees:
+        notes.append(f"Fig. 6 skipped: {trees_path.name} holds no trees.")
+    groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
+    for rec in trees:
+        groups.setdefault((float(rec["temperature"]), rec["dataset"], rec["method"]), []).append(
+            rec
+        )
+    figures = []
+    for (t, d, m), recs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], dataset_key(kv[0][1]), kv[0][2])
+    ):
+        name = f"fig6_trees_{_slug(d)}_{_slug(m)}_T{temperature_label(t)}.png"
+        figures.append(
+            (
+                plot_trees(recs, out / name),
+                f"Fig. 6 — {m} draft trees on {dataset_name(d)}, temperature "
+                f"{temperature_label(t)}, smallest and largest n*: orange = bonus token (root), "
+                "green = accepted tokens (↑k: k-th most probable sibling), + N = a rejected "
+                "subtree of N nodes.",
+            )
+        )
     return figures
 
 

@@ -17,38 +17,11 @@ def profile(args: argparse.Namespace) -> int:
     convex, non-decreasing cost model, and save it as JSON for `generate --cost-model`."""
     from pathlib import Path
 
-    import torch
-
     from ..core import profiling
-    from ..util.devices import dtype_name, machine_description, resolve_dtype
+    from ..util.devices import dtype_name, machine_description
 
-    quick = args.quick
-    lengths = args.context_lengths
-    if lengths is None:
-        lengths = profiling.QUICK_CONTEXT_LENGTHS if quick else profiling.PAPER_CONTEXT_LENGTHS
-    counts = args.node_counts
-    if counts is None:
-        counts = profiling.QUICK_NODE_COUNTS if quick else profiling.PAPER_NODE_COUNTS
-    trials = args.trials if args.trials is not None else (3 if quick else 5)
-    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    # check what needs no model before spending time on loading one
-    lengths, counts = profiling.check_profile_grid(lengths, counts, trials, warmup)
-    resolve_dtype(args.dtype, torch.device("cpu"))
+    lengths, counts, trials, warmup = _checked_grid(args)  # before spending time on a model
     out = Path(args.out)
-    if out.is_dir():
-        raise InvalidInputError(f"--out {out} is a directory; give a file name such as cost.json")
-    if args.plot is not None:
-        from ..util.plots import pyplot
-
-        if Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
-            raise InvalidInputError(f"--plot {args.plot}: use a .png, .pdf or .svg file name")
-        pyplot()  # a missing matplotlib is reported now, not after a long profile
-    if args.target is not None and args.draft is None:
-        raise InvalidInputError("profiling needs --draft too: C_d is the drafter's cost")
-    if args.context_window is not None:
-        check_int("--context-window", args.context_window, minimum=2)
-    if args.batch is not None:
-        check_int("--batch", args.batch, minimum=1)
     gen = load_pair(
         args.target,
         args.draft,
@@ -86,7 +59,56 @@ def profile(args: argparse.Namespace) -> int:
     )
     print(f"caddtree: {profiling.describe_duration(seconds)}, estimated", file=sys.stderr)
     model = gen.profile(context_lengths=lengths, node_counts=counts, trials=trials, warmup=warmup)
-    saved = model.save(out)
+    _report(model, model.save(out), args, lengths)
+    if args.batch is not None:
+        _profile_batches(gen, args, lengths, trials, warmup)
+    return 0
+
+
+def _checked_grid(args: argparse.Namespace) -> tuple[list[int], list[int], int, int]:
+    """The grid (context lengths, node counts, trials, warm-up) of the options and --quick, and
+    every option checked that can be without a model."""
+    from pathlib import Path
+
+    import torch
+
+    from ..core import profiling
+    from ..util.devices import resolve_dtype
+
+    quick = args.quick
+    lengths = args.context_lengths
+    if lengths is None:
+        lengths = profiling.QUICK_CONTEXT_LENGTHS if quick else profiling.PAPER_CONTEXT_LENGTHS
+    counts = args.node_counts
+    if counts is None:
+        counts = profiling.QUICK_NODE_COUNTS if quick else profiling.PAPER_NODE_COUNTS
+    trials = args.trials if args.trials is not None else (3 if quick else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    lengths, counts = profiling.check_profile_grid(lengths, counts, trials, warmup)
+    resolve_dtype(args.dtype, torch.device("cpu"))
+    if Path(args.out).is_dir():
+        raise InvalidInputError(
+            f"--out {args.out} is a directory; give a file name such as cost.json"
+        )
+    if args.plot is not None:
+        from ..util.plots import pyplot
+
+        if Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise InvalidInputError(f"--plot {args.plot}: use a .png, .pdf or .svg file name")
+        pyplot()  # a missing matplotlib is reported now, not after a long profile
+    if args.target is not None and args.draft is None:
+        raise InvalidInputError("profiling needs --draft too: C_d is the drafter's cost")
+    if args.context_window is not None:
+        check_int("--context-window", args.context_window, minimum=2)
+    if args.batch is not None:
+        check_int("--batch", args.batch, minimum=1)
+    return lengths, counts, trials, warmup
+
+
+def _report(model: Any, saved: Any, args: argparse.Namespace, lengths: list[int]) -> None:
+    """What the profile found and where it went, and how to use it."""
+    from ..core import profiling
+
     print("verification cost C_v(n; l), convex fit per context length:")
     print(model.fit_report())
     print(
@@ -102,9 +124,6 @@ def profile(args: argparse.Namespace) -> int:
     if warning:
         print(f"caddtree: warning: {warning}", file=sys.stderr)
     print(f"use it with: caddtree generate --method caddtree --cost-model {saved} PROMPT")
-    if args.batch is not None:
-        _profile_batches(gen, args, lengths, trials, warmup)
-    return 0
 
 
 def _profile_batches(

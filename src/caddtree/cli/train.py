@@ -156,13 +156,13 @@ def _load_target(target_dir: Any, dtype: Any, device: Any) -> tuple[Any, Any, li
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..api import eos_token_ids
-    from ..models.packing import pack_linear_layers
+    from ..runtime.packing import pack_linear_layers
 
     target = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=dtype, attn_implementation="sdpa"
     ).to(device)
     # data generation and context features run the frozen target many times: on the CPU, lay
-    # its linear weights out for oneDNN once (caddtree.models.packing; training steps, which
+    # its linear weights out for oneDNN once (caddtree.runtime.packing; training steps, which
     # need gradients through its head, fall back to the plain layer)
     pack_linear_layers(target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
-from .rows import chunk_maxima, chunked, logsumexp, top_candidates
+from .logit_rows import chunk_maxima, chunked, logsumexp, top_candidates
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -358,7 +358,7 @@ def profile_cost_model(
     progress: bool = True,
     metadata: dict[str, Any] | None = None,
 ) -> ConvexCostModel:
-    """Profile ``verifier`` (a :class:`~caddtree.models.TreeVerifier`) and ``proposer`` (a
+    """Profile ``verifier`` (a :class:`~caddtree.runtime.verifier.Verifier`) and ``proposer`` (a
     :class:`~caddtree.models.DFlashProposer`) and fit a :class:`ConvexCostModel`.
 
     A point whose trials disagree wildly (:data:`NOISY_SPREAD`) is measured again, up to
@@ -391,37 +391,13 @@ def profile_cost_model(
 
     measure = partial(_verify_passes, verifier, context, bonus, reserve, trees, trials, bar)
     times, features = measure({length: list(counts) for length in lengths}, warmup)
-    retried: dict[int, set[int]] = {}
-    for _ in range(NOISY_RETRIES):
-        noisy = {k: [n for n in counts if spread(v[n]) > NOISY_SPREAD] for k, v in times.items()}
-        noisy = {k: v for k, v in noisy.items() if v}
-        if not noisy:
-            break
-        bar.total += (1 + trials) * sum(map(len, noisy.values()))
-        again, _ = measure(noisy, 1)
-        for length, ns in noisy.items():
-            retried.setdefault(length, set()).update(ns)
-            for n in ns:
-                times[length][n] = steadiest([times[length][n], again[length][n]])
+    retried = _measure_noisy_again(measure, times, counts, trials, bar)
     measurements = {
         length: (counts, [statistics.median(times[length][n]) for n in counts])
         for length in lengths
     }
-
-    draft_times: list[float] = []
-    for length in lengths:
-        prefix = features[:, : max(length, 1)]
-        proposer.reset()
-        proposer.propose(bonus, prefix[:, :-4] if prefix.shape[1] > 4 else prefix[:, :1])
-        start = proposer.context_length
-        tail = prefix[:, start : start + 4]
-
-        def draft_once(start: int = start, tail: torch.Tensor = tail) -> None:
-            proposer.crop(start)
-            proposer.propose(bonus, tail).rows()  # the whole block projected
-
-        draft_times.append(median_time(draft_once, warmup, trials, draft_devices))
-        bar.update(1)
+    timing = partial(median_time, warmup=warmup, trials=trials, devices=draft_devices)
+    draft_times = _draft_times(proposer, features, lengths, bonus, timing, bar)
     bar.close()
     verifier.reset()
     proposer.reset()
@@ -440,6 +416,58 @@ def profile_cost_model(
         **(metadata or {}),
     }
     return ConvexCostModel.fit(measurements, draft_cost, metadata=meta)
+
+
+def _measure_noisy_again(
+    measure: Callable[..., Any],
+    times: dict[int, dict[int, list[float]]],
+    counts: list[int],
+    trials: int,
+    bar: Any,
+) -> dict[int, set[int]]:
+    """Measure the points whose trials disagree wildly (:data:`NOISY_SPREAD`) again, up to
+    :data:`NOISY_RETRIES` times, keeping each point's steadiest trials in ``times``; the node
+    counts measured again, per context length."""
+    retried: dict[int, set[int]] = {}
+    for _ in range(NOISY_RETRIES):
+        noisy = {k: [n for n in counts if spread(v[n]) > NOISY_SPREAD] for k, v in times.items()}
+        noisy = {k: v for k, v in noisy.items() if v}
+        if not noisy:
+            break
+        bar.total += (1 + trials) * sum(map(len, noisy.values()))
+        again, _ = measure(noisy, 1)
+        for length, ns in noisy.items():
+            retried.setdefault(length, set()).update(ns)
+            for n in ns:
+                times[length][n] = steadiest([times[length][n], again[length][n]])
+    return retried
+
+
+def _draft_times(
+    proposer: Any,
+    features: torch.Tensor,
+    lengths: list[int],
+    bonus: int,
+    timing: Callable[[Callable[[], None]], float],
+    bar: Any,
+) -> list[float]:
+    """The drafter's pass at each context length (its last 4 tokens new, the whole block
+    projected), timed by ``timing``."""
+    draft_times: list[float] = []
+    for length in lengths:
+        prefix = features[:, : max(length, 1)]
+        proposer.reset()
+        proposer.propose(bonus, prefix[:, :-4] if prefix.shape[1] > 4 else prefix[:, :1])
+        start = proposer.context_length
+        tail = prefix[:, start : start + 4]
+
+        def draft_once(start: int = start, tail: torch.Tensor = tail) -> None:
+            proposer.crop(start)
+            proposer.propose(bonus, tail).rows()  # the whole block projected
+
+        draft_times.append(timing(draft_once))
+        bar.update(1)
+    return draft_times
 
 
 def _raw_measurements(model: CostModel) -> dict[int, tuple[list[int], list[float]]]:

@@ -25,6 +25,7 @@ from .tree import DraftTree
 __all__ = [
     "Sampler",
     "TokenContext",
+    "argmax_rows",
     "greedy_choices",
     "walk_tree",
 ]
@@ -214,17 +215,30 @@ def plain_greedy(sampler: Sampler) -> bool:
     return sampler.greedy and not sampler.processors
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """``torch.argmax(logits, -1)`` of bfloat16 CPU logits [N, V] (the first index on ties, the
+    first NaN if any) without widening them to float32 first, by caddtree's kernel where the
+    runtime has loaded its AVX512-BF16 build (:mod:`caddtree.runtime.kernels` registers the op);
+    ``None`` elsewhere (the caller takes torch's)."""
+    if (
+        logits.dtype is not torch.bfloat16
+        or logits.device.type != "cpu"
+        or logits.dim() != 2
+        or not logits.shape[1]
+        or not hasattr(torch.ops.caddtree, "argmax_rows")
+    ):
+        return None
+    return torch.ops.caddtree.argmax_rows(logits)
+
+
 def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
     """``argmax`` over the last dimension (the first index on ties). bfloat16 rows on the CPU go
-    to caddtree's kernel where it runs (:func:`~caddtree.models.kernels.argmax_rows`, the same
-    choices); other half-precision logits are upcast to float32 first: exact, so the choices are
-    the same, and on a CPU several times faster than a bfloat16 argmax."""
-    if logits.dim() == 2 and logits.dtype is torch.bfloat16 and logits.device.type == "cpu":
-        from ..models.kernels import argmax_rows
-
-        chosen = argmax_rows(logits)
-        if chosen is not None:
-            return chosen
+    to caddtree's kernel where it is loaded (:func:`argmax_rows`, the same choices); other
+    half-precision logits are upcast to float32 first: exact, so the choices are the same, and on
+    a CPU several times faster than a bfloat16 argmax."""
+    chosen = argmax_rows(logits)
+    if chosen is not None:
+        return chosen
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return torch.argmax(logits, dim=-1)

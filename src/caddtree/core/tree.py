@@ -240,9 +240,8 @@ def _expand_many(
     Pops at most ``max_nodes`` prefixes in all. With ``denominators`` (the round's cost with
     ``n = 0 .. max_nodes`` nodes in all: ``draft_cost + verify_cost(n)`` for one request), it also
     stops at the first ``n`` where ``theta*(n+1) <= theta*(n)``, ``theta*(n) = (R + Phi(n)) /
-    denominators[n]`` for ``R`` requests (``base`` instead, where given) and ``Phi`` the
-    probability mass of the ``n`` prefixes
-    taken (Algorithm 1, Eq. stopping; for several requests, the joint budget: each request's
+    denominators[n]`` for ``R`` requests (``base`` instead, where given) and ``Phi`` the mass of
+    the ``n`` prefixes taken (Algorithm 1, Eq. stopping; for several requests, the joint budget: each request's
     prefix masses are non-increasing in its own best-first order, so taking the most probable
     prefix of any request next gives, for every ``n``, the largest ``Phi`` any split of ``n``
     nodes among the requests could have). Without ``denominators`` it is DDTree's fixed budget.
@@ -263,14 +262,7 @@ def _expand_many(
     popped: list[list[tuple[float, int, float, int, int, int]]] = [[] for _ in requests]
     if max_nodes <= 0:
         return [DraftTree.empty() for _ in requests]
-    rows: list[list[list[float] | None]] = []
-    heap: list[tuple[float, int, float, int, int, int]] = []
-    for r, cands in enumerate(requests):
-        rows.append([None] * cands.depth)  # lists of log-probabilities, read when first reached
-        first = rows[r][0] = cands.row(0)
-        if first:
-            heap.append((-first[0], r, 0.0, -1, 1, 0))
-    heapq.heapify(heap)
+    rows, heap = _first_frontier(requests)
     counts = [0] * len(requests)  # nodes taken per request (the next node's index)
     heappush, heappop, heapreplace, exp = heapq.heappush, heapq.heappop, heapq.heapreplace, math.exp
     cost_aware = denominators is not None
@@ -316,6 +308,22 @@ def _expand_many(
         counts[r] += 1
         n += 1
     return [_tree(cands, taken) for cands, taken in zip(requests, popped)]
+
+
+def _first_frontier(
+    requests: Sequence[Candidates],
+) -> tuple[list[list[list[float] | None]], list[tuple[float, int, float, int, int, int]]]:
+    """Each request's rows (its first read, the others ``None`` until the expansion reaches
+    them) and the heap of their first candidates (:func:`_expand_many`'s entries)."""
+    rows: list[list[list[float] | None]] = []
+    heap: list[tuple[float, int, float, int, int, int]] = []
+    for r, cands in enumerate(requests):
+        rows.append([None] * cands.depth)  # lists of log-probabilities, read when first reached
+        first = rows[r][0] = cands.row(0)
+        if first:
+            heap.append((-first[0], r, 0.0, -1, 1, 0))
+    heapq.heapify(heap)
+    return rows, heap
 
 
 def _tree(cands: Candidates, popped: list[tuple[float, int, float, int, int, int]]) -> DraftTree:

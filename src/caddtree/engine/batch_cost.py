@@ -4,7 +4,7 @@ A round of ``B`` requests drafts for all of them in one drafter pass (``C_d(B)``
 every request's bonus row and tree in one target forward. Its verification cost depends on the
 total number of tree nodes ``N`` of the round (every request's bonus row is always there), on
 ``B`` (each sequence attends its own cache) and on the contexts. :func:`profile_batch_cost_model`
-times exactly those calls of :class:`~caddtree.models.lean.LeanTarget` and
+times exactly those calls of :class:`~caddtree.runtime.lean.LeanTarget` and
 :class:`~caddtree.models.batch_proposer.BatchProposer` over a grid of batch sizes, node counts
 and context lengths, and fits, per batch size, one convex non-decreasing curve in ``N`` per
 context length (:class:`~caddtree.core.cost.ConvexCostModel`, whose ``draft_cost`` is that batch
@@ -28,8 +28,8 @@ import torch
 from ..core.cost import ConvexCostModel, cost_model_from_dict
 from ..core.profiling import median_time, profiling_tree
 from ..models.batch_proposer import BatchProposer, DraftCall
-from ..models.lean import LeanTarget, Rows
-from ..models.rows import tree_rows
+from ..runtime.lean import LeanTarget, Rows
+from ..runtime.rows import tree_rows
 from ..util.errors import CostModelError, InvalidInputError
 from ..util.files import atomic_write_text
 

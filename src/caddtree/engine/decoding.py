@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..core.candidates import DraftInput
     from ..core.cost import CostModel
     from ..models.drafts import DraftLogits
-    from ..models.target import TreeVerifier
+    from ..runtime.verifier import Verifier
 
 __all__ = [
     "Budget",
@@ -53,6 +53,8 @@ __all__ = [
     "Proposer",
     "RoundStats",
     "TreePolicy",
+    "build_tree",
+    "check_prompt",
     "decode",
     "make_policy",
 ]
@@ -207,20 +209,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_prompt(
+    prompt_ids: Sequence[int], max_new_tokens: Any, policy: TreePolicy, has_drafter: bool
+) -> list[int]:
+    """``prompt_ids`` as a list of ints, checked with ``max_new_tokens`` and ``policy`` (one or
+    a batch of requests alike): a count, a prompt of at least one token, a drafter where the
+    policy drafts."""
+    check_int("max_new_tokens", max_new_tokens)
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InvalidInputError("the prompt is empty; give at least one token")
+    if policy.needs_drafter and not has_drafter:
+        raise InvalidInputError(f"method {policy.name!r} needs a drafter")
+    return prompt
+
+
+def build_tree(policy: TreePolicy, draft: DraftLogits | None, context_length: int) -> DraftTree:
+    """The round's tree of ``policy`` from ``draft`` (empty without one), in target ids."""
+    if draft is None:
+        return DraftTree.empty()
+    return draft.in_target_ids(policy.build(draft, context_length))
+
+
 def _checked_prompt(
-    verifier: TreeVerifier,
+    verifier: Verifier,
     prompt_ids: Sequence[int],
     policy: TreePolicy,
     proposer: Proposer | None,
     max_new_tokens: Any,
 ) -> list[int]:
     """``prompt_ids`` as a list of ints, once the arguments of :func:`decode` are known to fit."""
-    check_int("max_new_tokens", max_new_tokens)
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise InvalidInputError("the prompt is empty; give at least one token")
-    if policy.needs_drafter and proposer is None:
-        raise InvalidInputError(f"method {policy.name!r} needs a drafter")
+    prompt = check_prompt(prompt_ids, max_new_tokens, policy, proposer is not None)
     limit = verifier.max_positions
     if limit is not None and len(prompt) + max_new_tokens > limit:
         if len(prompt) >= limit:
@@ -328,7 +347,7 @@ def _confidence(tree: DraftTree, draft: DraftLogits | None) -> float:
 class _Loop:
     """What one :func:`decode` call carries from round to round."""
 
-    verifier: TreeVerifier
+    verifier: Verifier
     policy: TreePolicy
     proposer: Proposer | None
     sampler: Sampler
@@ -374,9 +393,7 @@ class _Loop:
 
     def build(self, draft: DraftLogits | None) -> DraftTree:
         """The round's tree, in target ids."""
-        if draft is None:
-            return DraftTree.empty()
-        return draft.in_target_ids(self.policy.build(draft, self.verifier.context_length))
+        return build_tree(self.policy, draft, self.verifier.context_length)
 
     def round(self, bonus: int, features: torch.Tensor) -> _RoundOutcome:
         """One round after ``bonus``: draft, build, verify, walk, commit."""
@@ -402,21 +419,14 @@ class _Loop:
         _sync(verifier.device)
         t3 = time.perf_counter()
         self.output.extend(tokens)
-        stats = RoundStats(
-            context_length=context_length,
-            budget=len(tree),
-            accepted=len(nodes),
-            committed=len(tokens),
-            draft_s=t1 - t0 + project_s,
-            tree_s=t2 - t1 - project_s,
-            verify_s=t3 - t2,
-            phi=tree.phi,
-            confidence=confidence,
-            path=nodes,
-            project_s=project_s,
-            projected=draft.projected if draft is not None else 0,
-            forward_s=t_forward - t2,
+        stats = RoundStats.of_walk(tree, nodes, len(tokens), context_length)
+        stats.draft_s, stats.tree_s, stats.verify_s = (
+            t1 - t0 + project_s,
+            t2 - t1 - project_s,
+            t3 - t2,
         )
+        stats.confidence, stats.project_s, stats.forward_s = confidence, project_s, t_forward - t2
+        stats.projected = draft.projected if draft is not None else 0
         stats.round_s = time.perf_counter() - t0
         self.rounds.append(stats)
         rows = verification_rows(nodes)[:keep]  # where the kept tokens were chosen
@@ -436,7 +446,7 @@ class _RoundOutcome:
 
 
 def decode(
-    verifier: TreeVerifier,
+    verifier: Verifier,
     prompt_ids: Sequence[int],
     policy: TreePolicy,
     *,

@@ -42,6 +42,22 @@ class RoundStats:
     forward_s: float = 0.0  # the part of verify_s spent in the target's forward pass
     round_s: float = 0.0  # the whole round, bookkeeping included (callbacks excluded)
 
+    @classmethod
+    def of_walk(cls, tree: Any, path: list[int], committed: int, context_length: int) -> RoundStats:
+        """The round that verified ``tree`` after ``context_length`` tokens and accepted
+        ``path``, adding ``committed`` tokens; its times are set by the loop that ran it."""
+        return cls(
+            context_length=context_length,
+            budget=len(tree),
+            accepted=len(path),
+            committed=committed,
+            draft_s=0.0,
+            tree_s=0.0,
+            verify_s=0.0,
+            phi=tree.phi,
+            path=path,
+        )
+
 
 @dataclass
 class GenerationStats:

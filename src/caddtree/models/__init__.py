@@ -1,11 +1,13 @@
-"""Model layer: the DFlash drafter and the target-side tree-verification helpers.
+"""Models: the DFlash drafter and the transformers verifier (caddtree's own target runtime is
+:mod:`caddtree.runtime`).
 
 * :class:`DFlashDraftModel` (``dflash``) - loads and saves released DFlash checkpoints;
   :class:`DFlashProposer` (``proposer``) runs it once per round and returns draft logits.
-* :func:`pack_linear_layers` (``packing``) - on the CPU, lays linear weights out for oneDNN once.
-* :class:`TreeVerifier` - prefill, one-pass tree verification and KV-cache compaction for any
-  transformers causal LM with ``sdpa`` or ``eager`` attention, built on :func:`tree_attention_mask`,
-  :func:`tree_position_ids`, :func:`compact_cache` and :func:`extract_context_features`.
+* :class:`TreeVerifier` (``target``) - the verifier protocol
+  (:class:`~caddtree.runtime.verifier.Verifier`) on transformers' forward: prefill, one-pass tree
+  verification and KV-cache compaction for any transformers causal LM with ``sdpa`` or ``eager``
+  attention, built on :func:`tree_attention_mask`, :func:`tree_position_ids`,
+  :func:`compact_cache` and :func:`extract_context_features`.
 """
 
 from .dflash import (

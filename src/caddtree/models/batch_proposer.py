@@ -13,7 +13,7 @@ decoding. In a pass of ``B`` sequences, sequence ``b``:
 * keeps the context entries and drops the block's (they lie past its length and are overwritten
   by the next pass).
 
-The pass is the lean runtime's arithmetic (:mod:`caddtree.models.layers`), not the drafter
+The pass is the lean runtime's arithmetic (:mod:`caddtree.runtime.layers`), not the drafter
 module's forward: q/k/v and gate/up fused and packed once (caddtree's bfloat16 kernel on CPUs
 with AVX512-BF16 or AVX2, else oneDNN), RMSNorm in one call, rotary tables computed once, a static cache
 written by entry, and attention one call per sequence over its own slot (caddtree's attention
@@ -33,19 +33,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..util.checks import check_int, is_int
-from ..util.errors import CheckpointError, InvalidInputError
-from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
-from .drafts import PROJECTION_STEPS, DraftLogits
-from .kernels import (
+from ..runtime.kernels import (
     amx_in_use,
     attention_fits,
     kernel_in_use,
     tree_attention,
     tree_attention_batch,
 )
-from .layers import Shape, decoder_layer, fused_linear, layer_weights, rms_norm, rotary_tables
-from .packing import pack_linear_layers
+from ..runtime.layers import (
+    Shape,
+    decoder_layer,
+    fused_linear,
+    layer_weights,
+    rms_norm,
+    rotary_tables,
+)
+from ..runtime.packing import pack_linear_layers
+from ..util.checks import check_int, is_int
+from ..util.errors import CheckpointError, InvalidInputError
+from .dflash import DFlashDraftModel, check_drafter_fits_target, draft_lm_head
+from .drafts import PROJECTION_STEPS, DraftLogits
 
 __all__ = ["BatchProposer", "DraftCall"]
 
@@ -69,7 +76,7 @@ class BatchProposer:
         target_model: the target whose embeddings and lm_head the drafter reads.
         slots: sequences it can hold (each :meth:`propose` call uses some of them).
         pack: on the CPU, keep the fused linear weights packed
-            (:func:`~caddtree.models.packing.pack_weight`).
+            (:func:`~caddtree.runtime.packing.pack_weight`).
     """
 
     def __init__(
@@ -272,7 +279,7 @@ class _Plan(NamedTuple):
 
 
 class _Attend:
-    """The cache's part of a drafter layer (:data:`~caddtree.models.layers.Attend`): writes the
+    """The cache's part of a drafter layer (:data:`~caddtree.runtime.layers.Attend`): writes the
     keys and values of the context and block rows into their slots, then attends each block over
     its slot's first ``start + q`` entries (all of them visible; ``q`` its own size)."""
 

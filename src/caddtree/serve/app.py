@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streami
 events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 A request is checked and its prompt tokenized on the event loop (a bad one gets its 400 at once,
-without queueing), then queued for the single generation worker (:mod:`caddtree.serve.engine`). The
+without queueing), then queued for the single generation worker (:mod:`caddtree.serve.worker`). The
 handler waits for the job's first event (the prefill) before answering, so an error that
 ``generate`` raises still becomes a proper HTTP error, even for a streaming request; a client
 that goes away meanwhile cancels its job. Errors are OpenAI's ``{"error": {...}}`` bodies: 400 for
@@ -32,7 +32,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..util.checks import DEFAULT_DDTREE_BUDGET
 from ..util.errors import CaddtreeError, InvalidInputError
-from .engine import Engine, Job, QueueFull, ShuttingDown, finish_reason
 from .metrics import ServerMetrics
 from .protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -48,6 +47,7 @@ from .protocol import (
     parse_request,
     usage,
 )
+from .worker import Engine, Job, QueueFull, ShuttingDown, finish_reason
 
 __all__ = ["build_app"]
 
@@ -97,14 +97,14 @@ def build_app(
     A caddtree request uses ``generator.cost_model`` unless it names a cost-model file: a file
     name inside ``cost_model_dir`` (requests may read no other file on the server; without a
     directory they may name none).
-    ``max_batch`` requests generate at once (above 1: :class:`~caddtree.serve.batch_engine.
+    ``max_batch`` requests generate at once (above 1: :class:`~caddtree.serve.batch_worker.
     BatchEngine`, one target forward per round for all of them; it needs the lean runtime), their
     CaDDTree trees sized by one joint budget (``batch_budget`` ``"joint"``; priced by
     ``joint_cost_model``, a :class:`~caddtree.engine.batch_cost.BatchCostModel`, else by
     ``generator.cost_model``) or each by its own (``"per-request"``);
     ``max_queue`` more may wait for a slot; one more gets HTTP 503 with
     ``Retry-After: retry_after_s``. ``torch_thread``: the one-thread executor that loaded the
-    models, to generate on (see :class:`~caddtree.serve.engine.Engine`). A body larger than ``max_request_bytes`` gets HTTP 413 before
+    models, to generate on (see :class:`~caddtree.serve.worker.Engine`). A body larger than ``max_request_bytes`` gets HTTP 413 before
     it is read; JSON nested too deeply to parse gets HTTP 400. Prompts are tokenised off the event
     loop, so a long one never stalls ``/health`` or the other requests' streams. ``on_round(job)`` is a test hook, called by the worker thread
     after every round.
@@ -133,6 +133,13 @@ def build_app(
         retry_after_s,
         cost_model_dir,
     )
+    return _app(service)
+
+
+def _app(service: _Service) -> FastAPI:
+    """The FastAPI app of ``service``: its engine started and stopped with the app, its error
+    handlers and routes."""
+    engine = service.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -144,8 +151,8 @@ def build_app(
 
     app = FastAPI(title="caddtree serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
-    app.state.metrics = metrics
-    app.state.model_name = model_name
+    app.state.metrics = service.metrics
+    app.state.model_name = service.model_name
     _add_error_handlers(app, service)
     _add_routes(app, service)
     return app
@@ -163,7 +170,7 @@ def _make_engine(
     """The generation worker: one job at a time, or a batch of ``max_batch`` (``joint``: whether
     its CaDDTree rounds take one joint budget, and the model that prices them)."""
     if max_batch > 1:
-        from .batch_engine import BatchEngine
+        from .batch_worker import BatchEngine
 
         return BatchEngine(
             generator,

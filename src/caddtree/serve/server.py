@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``caddtree serve``'s options on ``parser`` (and return it)."""
     add_pair_arguments(parser)
     add_method_arguments(parser, per_request=True)
+    _add_listening_arguments(parser)
+    _add_request_defaults(parser)
+    return parser
+
+
+def _add_listening_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the server listens, how many requests it takes and batches, and its logs."""
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
     )
@@ -79,6 +86,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_REQUEST_BYTES:,}, far more than the model's context fills)",
     )
     parser.add_argument(
+        "--retry-after",
+        type=int,
+        default=1,
+        help="seconds a refused client is told to wait (Retry-After; default 1)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default info: one access line per request)",
+    )
+
+
+def _add_request_defaults(parser: argparse.ArgumentParser) -> None:
+    """What a request that leaves a setting out gets, and what it may name."""
+    parser.add_argument(
         "--max-new-tokens",
         type=int,
         default=256,
@@ -101,19 +124,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a folder of cost-model files that requests may name in their cost_model field "
         "(default: none; requests then use the server's cost model)",
     )
-    parser.add_argument(
-        "--retry-after",
-        type=int,
-        default=1,
-        help="seconds a refused client is told to wait (Retry-After; default 1)",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level (default info: one access line per request)",
-    )
-    return parser
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

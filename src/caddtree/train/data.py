@@ -118,7 +118,7 @@ def engine_responses(
     from ..engine.batching import BatchDecoder
     from ..engine.decoding import make_policy
     from ..engine.requests import GenerationRequest
-    from ..models.lean import LeanTarget
+    from ..runtime.lean import LeanTarget
 
     if not prompt_ids:
         return
@@ -168,7 +168,7 @@ def generate_responses(
     at once); ``"hf"``, transformers' ``generate`` in left-padded batches of prompts sorted by
     length; ``"auto"``, the engine where the lean runtime runs the target, else ``"hf"``."""
     if generator == "auto":
-        from ..models.lean import lean_unsupported
+        from ..runtime.lean import lean_unsupported
 
         generator = "engine" if lean_unsupported(target) is None else "hf"
     if generator == "engine":
@@ -245,7 +245,7 @@ def _hf_responses(
             max_new_tokens=max_new_tokens,
             eos_token_id=sorted(stops) or None,
             pad_token_id=pad_token_id,
-            # a static cache avoids re-concatenating the KV cache every step (2-3x on a CPU)
+            # a static cache avoids re-concatenating the KV cache every step
             cache_implementation="static",
         )
         for row, i in enumerate(idx):

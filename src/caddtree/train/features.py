@@ -29,7 +29,7 @@ from .targets import TargetDistributions, TopKSpec, topk_rows
 
 PART_SAMPLES = 1024
 """Samples per part of a feature cache: the file is saved after each part, so an interrupted
-pass (about 100 minutes for 10,000 samples on a 2-core CPU) loses at most one part's work."""
+pass loses at most one part's work."""
 
 __all__ = [
     "cached_features",

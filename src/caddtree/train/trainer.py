@@ -23,6 +23,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,7 @@ def effective_topk(settings: dict) -> int:
 
 
 def _save_checkpoint(
-    directory: Path, drafter, optimizer, step: int, log: list[dict], config: TrainConfig
+    directory: Path, drafter, optimizer, config: TrainConfig, log: list[dict]
 ) -> None:
     """Atomic checkpoint: drafter (released format), optimiser state (safetensors + JSON). The
     previous checkpoint stays whole until this one is in place (:func:`replace_directory`)."""
@@ -195,7 +196,7 @@ def _save_checkpoint(
         (tmp / "trainer_state.json").write_text(
             json.dumps(
                 {
-                    "step": step,
+                    "step": len(log),
                     "config": asdict(config),
                     "optimizer_scalars": state_meta,
                     "param_groups": optimizer.state_dict()["param_groups"],
@@ -244,11 +245,10 @@ def train_drafter(
 ) -> dict[str, Any]:
     """Train (or resume training) a DFlash drafter for ``target`` on ``data``.
 
-    Writes ``output_dir/checkpoint`` (the drafter in the released format, plus optimiser and
-    trainer state) every ``save_every`` steps and at the end, ``output_dir/features.safetensors``
-    (cached context features, and the target's next-token top-k when ``config`` asks for it;
-    ``features`` given replace the cached ones) and ``output_dir/train_log.jsonl`` (the learning
-    curve). Returns the last log entry. ``stop_after`` ends this call after that many steps (a
+    Writes ``output_dir/checkpoint`` (the drafter in the released format, optimiser and trainer
+    state) every ``save_every`` steps and at the end, ``output_dir/features.safetensors`` (the
+    context features, and the target's top-k where ``config`` asks; ``features`` given replace
+    them) and ``output_dir/train_log.jsonl``. Returns the last log entry. ``stop_after`` ends this call after that many steps (a
     later call resumes); an interrupt (Ctrl-C) also saves a checkpoint before it propagates.
     ``stop_token_ids`` always join a draft vocabulary. ``init_from`` starts a new run from the
     weights of a drafter in the released format (for example the one shipped, to train it
@@ -258,12 +258,9 @@ def train_drafter(
     with the same settings continues exactly as an uninterrupted one would; ``steps`` may change
     on resume, and the learning-rate schedule then follows the new total.
 
-    ``deadline`` (a :func:`time.monotonic` time) ends the call before a step that could not
-    finish, be evaluated and be saved by then, at the pace of the latest log window (evaluations
-    and saves not counted; the first steps are read back one by one while the pace is unknown).
-    While ``steps`` cannot be reached by the deadline, the learning-rate schedule ends at the
-    steps that fit instead (recomputed each window; each log entry has its ``schedule_steps``).
-    A later call resumes with the schedule of its own ``steps``, as a changed ``steps`` would.
+    ``deadline`` (a :func:`time.monotonic` time) ends the call, and the learning-rate schedule,
+    where the latest pace says (:class:`~caddtree.train.steps.Clock`; each log entry has its
+    ``schedule_steps``; a later call resumes with the schedule of its own ``steps``).
     ``on_checkpoint`` is called with the checkpoint's folder after each save (to copy it
     elsewhere as the run goes). ``config`` is not changed (the run works on a copy).
     """
@@ -272,9 +269,7 @@ def train_drafter(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoint"
-    if device is None:
-        device = target.get_input_embeddings().weight.device
-    device = torch.device(device)
+    device = torch.device(device or target.get_input_embeddings().weight.device)
 
     drafter, state = _starting_drafter(
         target, data, config, ckpt, resume=resume, init_from=init_from, stop_ids=stop_token_ids
@@ -291,29 +286,15 @@ def train_drafter(
     train_ids, eval_ids = split_samples(data, config, out / "split.json")
     train_ids = by_length(train_ids, [len(s) for s in data.sequences])
     trainer = AnchorBlockLoss(drafter, target, features, data, config, device, targets)
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(),
-        lr=config.learning_rate,
-        weight_decay=config.weight_decay,
-        betas=(0.9, 0.95),
-        fused=device.type in ("cpu", "cuda"),  # one kernel for all parameters
-    )
-    log: list[dict] = []
-    start = 0
-    if state is not None:
-        _load_optimizer_state(ckpt, optimizer, state)
-        start, log = int(state["step"]), list(state["log"])
-        logger.info("resuming from step %d of %d (%s)", start, config.steps, ckpt)
-
+    optimizer = _optimizer(drafter, config, device)
+    start, log = _resume_point(ckpt, optimizer, state, config)
     log_path = out / "train_log.jsonl"
     # the file starts as the checkpoint's log: steps run after the last checkpoint by an
     # interrupted call are run again, and must not appear twice in the learning curve
     atomic_write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
 
-    def write_checkpoint(steps_log: list[dict]) -> None:
-        _save_checkpoint(ckpt, drafter, optimizer, len(steps_log), steps_log, config)
-
+    write_checkpoint = partial(_save_checkpoint, ckpt, drafter, optimizer, config)
     loop = Loop(
         trainer,
         optimizer,
@@ -326,6 +307,30 @@ def train_drafter(
         on_checkpoint,
     )
     return run_steps(loop, log, start, end, progress)
+
+
+def _optimizer(drafter: DFlashDraftModel, config: TrainConfig, device: torch.device) -> Any:
+    """AdamW over the drafter's weights, fused (one kernel for all parameters) where it can be."""
+    return torch.optim.AdamW(
+        drafter.parameters(),
+        lr=config.learning_rate,
+        weight_decay=config.weight_decay,
+        betas=(0.9, 0.95),
+        fused=device.type in ("cpu", "cuda"),
+    )
+
+
+def _resume_point(
+    ckpt: Path, optimizer: Any, state: dict | None, config: TrainConfig
+) -> tuple[int, list[dict]]:
+    """The step a run starts at and its log so far: 0 and none for a new run, else the
+    checkpoint's (its optimiser state loaded)."""
+    if state is None:
+        return 0, []
+    _load_optimizer_state(ckpt, optimizer, state)
+    start = int(state["step"])
+    logger.info("resuming from step %d of %d (%s)", start, config.steps, ckpt)
+    return start, list(state["log"])
 
 
 def _features_and_targets(

@@ -24,8 +24,8 @@ DEFAULT_DDTREE_BUDGET = 64
 """The node budget of ``method="ddtree"`` when none is given (every front door's default)."""
 RUNTIMES = ("auto", "compiled", "lean", "transformers")
 """The target's forward (``runtime=``, ``--runtime``): ``lean`` is caddtree's own
-(:mod:`caddtree.models.lean`: Llama family and Qwen3), ``compiled`` the same compiled by inductor
-(:mod:`caddtree.models.compiled`), ``transformers`` the model's own, ``auto`` the lean one on the
+(:mod:`caddtree.runtime.lean`: Llama family and Qwen3), ``compiled`` the same compiled by inductor
+(:mod:`caddtree.runtime.compiled`), ``transformers`` the model's own, ``auto`` the lean one on the
 CPU wherever it runs the model, compiled where that wins (on CUDA only by name: untested there
 yet)."""
 

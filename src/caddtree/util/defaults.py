@@ -172,7 +172,7 @@ def _current_digests() -> dict[str, str]:
 
 
 def gguf_digest(path: Path) -> str:
-    """SHA-256 of the file at ``path``, hashed (about 0.3 s for the SmolLM2 GGUF) only when this
+    """SHA-256 of the file at ``path``, hashed only when this
     file state (path, size, mtime) is new: the digests of files still in the state they were
     hashed in are kept in ``GGUF_DIGESTS`` in the cache root. That record is only a shortcut: when
     it cannot be read or written, the file is hashed again."""

@@ -1,18 +1,18 @@
 """The lean runtime's decoder layers compiled by ``torch.compile`` (inductor): the ``compiled``
 runtime.
 
-:class:`~caddtree.models.lean.LeanTarget` pays a fixed cost per torch call (about 40 calls per
+:class:`~caddtree.runtime.lean.LeanTarget` pays a fixed cost per torch call (about 40 calls per
 decoder layer: norms, rotary, cache writes, attention, residuals), and on a small model on a CPU
 that cost is a large share of a forward. Compiled, the elementwise work of a layer is fused into a
 few C++ loops and the layer loop runs as generated C++ (``cpp_wrapper``), calling the same packed
-linear kernels (:func:`~caddtree.models.packing.packed_linear`: caddtree's bfloat16 kernel, a
+linear kernels (:func:`~caddtree.runtime.packing.packed_linear`: caddtree's bfloat16 kernel, a
 custom op inductor calls as it is, or oneDNN's) and the same attention kernel as the eager
 runtime.
 
 Two graphs serve every call of one sequence (cache slot 0 of a one-slot cache) after the prompt:
 **one row** (plain decoding, and trees of the root alone) and **a tree of n >= 2 rows**. Where the
 target uses caddtree's attention kernel (bfloat16 on CPUs with AVX512-BF16 or AVX2,
-:func:`~caddtree.models.kernels.tree_attention`), both attend with it; elsewhere one row attends
+:func:`~caddtree.runtime.kernels.tree_attention`), both attend with it; elsewhere one row attends
 without a mask, as products and sums that inductor fuses (:func:`_attend_one_row`, since for one
 query the flash kernel's fixed cost per call is most of its time), and a tree with the flash
 kernel under its boolean mask. Inductor rounds to the dtype between fused operations as eager
@@ -22,7 +22,7 @@ either graph, so plain decoding and tree verification agree exactly in bfloat16 
 Both are compiled once for every context length, cache capacity and (the tree graph) row count:
 those sizes are dynamic in the graphs, so a generation never waits for a recompile. A prompt (a
 causal prefill), several sequences per call and calls that want only some rows' logits run the
-eager runtime. The arithmetic is the eager runtime's: :func:`~caddtree.models.lean.decoder_layer`
+eager runtime. The arithmetic is the eager runtime's: :func:`~caddtree.runtime.lean.decoder_layer`
 is traced as it is, only its cache step (:func:`_attend`) is written for static graphs.
 
 **Calls skip the frame evaluation.** ``torch.compile`` checks, before every call, the guards of
@@ -89,7 +89,7 @@ INDUCTOR_OPTIONS = {
 
 
 def compile_unsupported(target: Any) -> str | None:
-    """Why a :class:`~caddtree.models.lean.LeanTarget`'s layers cannot be compiled here (``None``: they can)."""
+    """Why a :class:`~caddtree.runtime.lean.LeanTarget`'s layers cannot be compiled here (``None``: they can)."""
     if not hasattr(torch, "compile"):
         return "this PyTorch has no torch.compile"
     if target.device.type == "cpu":
@@ -151,7 +151,7 @@ def _attend(
 ) -> torch.Tensor:
     """Write the rows' keys and values at cache ``entries`` and attend over the first
     ``mask.shape[-1]`` entries: with caddtree's attention kernel where the target uses it
-    (``fused``; :func:`~caddtree.models.kernels.tree_attention`, the same code for one row and a
+    (``fused``; :func:`~caddtree.runtime.kernels.tree_attention`, the same code for one row and a
     tree), else one row needs no mask (:func:`_attend_one_row`) and a tree takes ``mask``
     [1, 1, n, L]."""
     n, length = q.shape[0], mask.shape[-1]
@@ -260,7 +260,7 @@ def _batch_layers(
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """What the batch graph computes: rows of several sequences in a cache of several slots,
     each row's keys and values written at (``slots``, ``entries``) and its attention by
-    :func:`~caddtree.models.kernels.tree_attention_batch` under ``mask`` [N, L] and ``seqs``."""
+    :func:`~caddtree.runtime.kernels.tree_attention_batch` under ``mask`` [N, L] and ``seqs``."""
     scale = shape.head_dim**-0.5
 
     def attend_in(index: int) -> Callable[..., torch.Tensor]:
@@ -315,10 +315,10 @@ def _compiled_code(
 
 
 class CompiledLayers:
-    """The compiled layers of one :class:`~caddtree.models.lean.LeanTarget` (see the module
-    docstring); :meth:`serves` says which calls (:class:`~caddtree.models.lean.Rows`) they take,
+    """The compiled layers of one :class:`~caddtree.runtime.lean.LeanTarget` (see the module
+    docstring); :meth:`serves` says which calls (:class:`~caddtree.runtime.lean.Rows`) they take,
     :meth:`__call__` runs one. The target compiles both graphs when it makes them
-    (:meth:`~caddtree.models.lean.LeanTarget.compile`)."""
+    (:meth:`~caddtree.runtime.lean.LeanTarget.compile`)."""
 
     def __init__(self, target: Any) -> None:
         _choose_inductor_cache()
@@ -434,11 +434,11 @@ class CompiledLayers:
         it when dynamo's own guards for that code pass, else through ``torch.compile``'s frame
         evaluation (which compiles or picks the graph), remembering the code that ran.
 
-        The guards cover hundreds of tensors (every weight, every cache) and cost about 0.7 ms a
-        call on the development CPU, yet between two calls only the per-call inputs change, and
+        The guards cover hundreds of tensors (every weight, every cache) and cost a noticeable
+        share of a small forward, yet between two calls only the per-call inputs change, and
         those this class makes the same way every time. So once the guards passed, they are
         checked again only when the cache tensors were replaced (:meth:`_stamp`); the weights
-        are read once and never change (see :class:`~caddtree.models.lean.LeanTarget`)."""
+        are read once and never change (see :class:`~caddtree.runtime.lean.LeanTarget`)."""
         known = self._known.get(kind, ())
         if known is None:  # this torch exposes no compiled code: no shortcut
             return self._graphs[fn](*args)

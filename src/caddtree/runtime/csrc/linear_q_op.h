@@ -155,7 +155,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t kind, int6
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_q: bfloat16 input expected");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
                   w.size(2) == block_bytes(kind),
-              "linear_q: the weight must be packed by caddtree.models.quantized.pack_blocks");
+              "linear_q: the weight must be packed by caddtree.runtime.quantized.pack_blocks");
   const int64_t K = w.size(1) * kBlock, groups = w.size(0);
   TORCH_CHECK(n > (groups - 1) * kGroup && n <= groups * kGroup, "linear_q: ", n,
               " outputs do not fit a weight packed for ", groups * kGroup);

@@ -10,14 +10,14 @@ and attention for a few rows over a cache, in two builds of the same operators a
 :func:`kernel_variant` says which one this CPU takes.
 
 A decoding step or a tree verification multiplies a few rows by every weight of the model: the
-work is reading the weights once. oneDNN's packed linear (:mod:`caddtree.models.packing`) reads
+work is reading the weights once. oneDNN's packed linear (:mod:`caddtree.runtime.packing`) reads
 them at the machine's bandwidth too, but pays a fixed cost per call that, over the 121 linear
 calls of a forward of the built-in target, is a large share of it; SDPA's flash kernel likewise
 spends most of a few-row attention call on its set-up. The kernels here start with no set-up but
 their parallel loop; ``benchmarks/linear_kernel.py`` and ``benchmarks/vs_llamacpp.py`` measure
 them.
 
-They are built together once per machine (about 20 s with the C++ compiler inductor also uses),
+They are built together once per machine (with the C++ compiler inductor also uses),
 cached as ``<cache root>/kernels/<key>/caddtree_kernels.so`` (the key covers the build's sources
 and flags, the torch build and the compiler), loaded with ``torch.ops.load_library`` and checked on probes against
 ``F.linear`` and SDPA before anything uses them. The linear kernel applies to bfloat16 weights on
@@ -50,7 +50,6 @@ from ..util.files import atomic_write
 __all__ = [
     "GROUP",
     "amx_in_use",
-    "argmax_rows",
     "attention_fits",
     "cxx_compiler",
     "kernel_available",
@@ -143,7 +142,7 @@ def kernel_variant() -> str | None:
 
 
 def _sources() -> dict[str, bytes]:
-    folder = resources.files("caddtree.models").joinpath("csrc")
+    folder = resources.files("caddtree.runtime").joinpath("csrc")
     variant = _variant() or _AVX512_BF16
     return {name: folder.joinpath(name).read_bytes() for name in variant.sources}
 
@@ -342,22 +341,6 @@ def amx_in_use() -> bool:
     Rapids; for weights of a multiple of 32 inputs), decided once per process:
     ``CADDTREE_AMX=0`` turns it off."""
     return kernel_available() and bool(torch.ops.caddtree.amx_in_use())
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
-    """``torch.argmax(logits, -1)`` of bfloat16 CPU logits [N, V] (the first index on ties, the
-    first NaN if any) without widening them to float32 first, where the AVX512-BF16 build runs;
-    ``None`` elsewhere (the caller takes torch's)."""
-    if (
-        logits.dtype is not torch.bfloat16
-        or logits.device.type != "cpu"
-        or logits.dim() != 2
-        or not logits.shape[1]
-        or not kernel_available()
-        or not hasattr(torch.ops.caddtree, "argmax_rows")
-    ):
-        return None
-    return torch.ops.caddtree.argmax_rows(logits)
 
 
 def kernel_in_use(dtype: torch.dtype) -> bool:

@@ -1,6 +1,6 @@
 """Several generations at once: the server's worker on :class:`~caddtree.engine.batching.BatchDecoder`.
 
-:class:`BatchEngine` has :class:`~caddtree.serve.engine.Engine`'s contract (the same jobs, events,
+:class:`BatchEngine` has :class:`~caddtree.serve.worker.Engine`'s contract (the same jobs, events,
 queue bound, cancellation and metrics) but keeps up to ``max_batch`` jobs generating together: a
 job joins the batch as soon as a slot is free (its prompt is prefilled alone, then it decodes in
 every round with the others), and leaves it when it finishes or is cancelled. Each round is one
@@ -20,8 +20,8 @@ from ..engine.batching import BatchDecoder
 from ..engine.requests import GenerationRequest
 from ..util.errors import CaddtreeError, InvalidInputError
 from ..util.streaming import IncrementalDecoder
-from .engine import Engine, Job
 from .metrics import ServerMetrics
+from .worker import Engine, Job
 
 __all__ = ["BatchEngine"]
 
@@ -41,7 +41,7 @@ class _Active:
 
 class BatchEngine(Engine):
     """Runs up to ``max_batch`` :class:`Job` s at once (see the module docstring); ``max_queue``
-    more may wait for a slot, one more is refused (:class:`~caddtree.serve.engine.QueueFull`).
+    more may wait for a slot, one more is refused (:class:`~caddtree.serve.worker.QueueFull`).
     ``joint_budget``: rounds whose requests are all CaDDTree ones size their trees with one joint
     budget (``joint_cost_model`` of :class:`~caddtree.engine.batching.BatchDecoder`): priced by
     ``joint_cost_model`` (a :class:`~caddtree.engine.batch_cost.BatchCostModel`), else by the

@@ -1,6 +1,6 @@
 """The rows of one call of the lean runtime (:class:`Rows`): which sequences, in which cache
 slots, after how many entries, under which mask; and the inputs each attention path takes of
-them (:mod:`caddtree.models.lean`, :mod:`caddtree.models.compiled`)."""
+them (:mod:`caddtree.runtime.lean`, :mod:`caddtree.runtime.compiled`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from ..core.tree import DraftTree
 from ..util.errors import InvalidInputError
-from .target import tree_position_ids
+from .verifier import tree_position_ids
 
 __all__ = ["Rows", "tree_rows"]
 
@@ -55,8 +55,8 @@ class Rows:
 
     def attention_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``mask`` [N, L] and ``seqs`` [B, 3] of
-        :func:`~caddtree.models.kernels.tree_attention_batch` for these rows (for one sequence,
-        ``mask`` is :func:`~caddtree.models.kernels.tree_attention`'s), made once per call.
+        :func:`~caddtree.runtime.kernels.tree_attention_batch` for these rows (for one sequence,
+        ``mask`` is :func:`~caddtree.runtime.kernels.tree_attention`'s), made once per call.
         ``seqs`` has two entries at least (a lone sequence gets an empty one after it), so that
         its size is never specialised in a compiled graph."""
         if self._attention is None:

@@ -9,7 +9,7 @@
 //   static bool groups(const Problem<X>& p, int64_t M, int64_t begin, int64_t end);
 // which computes the groups begin .. end - 1 of one thread in one go where it can (true), or
 // leaves them to group (false); input may then give more than M rows (padding it reads).
-// w is packed by caddtree.models.kernels.pack_rows: [groups, K / 2, 32, 2].
+// w is packed by caddtree.runtime.kernels.pack_rows: [groups, K / 2, 32, 2].
 
 #pragma once
 
@@ -80,7 +80,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "linear_bf16: bfloat16 input and weight expected");
   TORCH_CHECK(w.dim() == 4 && w.size(2) == kGroup && w.size(3) == 2 && w.is_contiguous(),
-              "linear_bf16: the weight must be packed by caddtree.models.kernels.pack_rows");
+              "linear_bf16: the weight must be packed by caddtree.runtime.kernels.pack_rows");
   const int64_t K = w.size(1) * 2, N = n < 0 ? w.size(0) * kGroup : n;
   TORCH_CHECK(N <= w.size(0) * kGroup && N > (w.size(0) - 1) * kGroup,
               "linear_bf16: ", N, " outputs do not fit a weight packed for ", w.size(0) * kGroup);

@@ -50,8 +50,8 @@ logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 _STATE = "_caddtree_packed"
-# bfloat16 packed and plain outputs were bit-identical on this machine; float32 differ in the
-# last bits (another summation order). A probe outside these tolerances means a broken kernel.
+# float32 packed outputs may differ from plain ones in the last bits (another summation order);
+# a probe outside these tolerances means a broken kernel.
 _PROBE_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
@@ -137,7 +137,7 @@ def packing_fits(needed: int, what: str, memory_limit: int | None = None) -> boo
 
 def pack_weight(weight: torch.Tensor, *, padded: bool = True) -> torch.Tensor | None:
     """A packed copy of a linear ``weight`` [out, in] for :func:`packed_linear`: laid out for
-    caddtree's own bfloat16 kernel where it applies (:func:`~caddtree.models.kernels.pack_rows`;
+    caddtree's own bfloat16 kernel where it applies (:func:`~caddtree.runtime.kernels.pack_rows`;
     with ``padded`` false, only where ``out`` is a whole number of its row groups, so that no call
     needs to say ``out_features``), else for oneDNN; ``None`` where packing does not apply (not on
     the CPU, another dtype, no working kernel)."""

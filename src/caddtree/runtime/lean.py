@@ -6,8 +6,8 @@ recomputed per call, mask building, per-call checks. On the built-in SmolLM2 tar
 a one-token forward was that overhead. :class:`LeanTarget` runs the same arithmetic directly:
 
 * **Weights, laid out once.** q/k/v are fused into one linear and gate/up into another; on the CPU
-  each fused weight is packed (:func:`~caddtree.models.packing.pack_weight`: for caddtree's
-  bfloat16 kernel, :mod:`caddtree.models.kernels`, where the CPU has AVX512-BF16 or AVX2, else for
+  each fused weight is packed (:func:`~caddtree.runtime.packing.pack_weight`: for caddtree's
+  bfloat16 kernel, :mod:`caddtree.runtime.kernels`, where the CPU has AVX512-BF16 or AVX2, else for
   oneDNN) and only the packed copy is kept (as much memory as packing the model's own layers took). Where nothing
   is packed (CUDA, float64) the stacked q/k/v and gate/up weights are a second copy of the
   model's; o, down, the LM head and the embeddings are the model's own tensors.
@@ -61,7 +61,7 @@ from .layers import (
 )
 from .quantized import QuantLinear, QuantStack
 from .rows import Rows
-from .target import TreeVerifier
+from .verifier import Verifier
 
 if TYPE_CHECKING:
     from .compiled import CompiledLayers
@@ -121,9 +121,9 @@ class LeanTarget:
             rebuild the runtime after changing them.
         feature_layer_ids: decoder layers whose outputs :meth:`forward` returns, concatenated.
         pack: on the CPU, keep the fused weights packed for oneDNN.
-        blocks: a GGUF file's weights of this model (:func:`~caddtree.models.gguf_blocks.read_blocks`,
+        blocks: a GGUF file's weights of this model (:func:`~caddtree.runtime.gguf_blocks.read_blocks`,
             checked against it): in bfloat16 on the CPU, every linear layer and the LM head whose
-            blocks the quantized kernel takes runs on them (:mod:`caddtree.models.quantized`);
+            blocks the quantized kernel takes runs on them (:mod:`caddtree.runtime.quantized`);
             :attr:`weight_format` says what runs.
     """
 
@@ -198,7 +198,7 @@ class LeanTarget:
         return freed
 
     def compile(self, progress: bool = True) -> None:
-        """Compile the layers (:mod:`caddtree.models.compiled`) before the cache is reserved;
+        """Compile the layers (:mod:`caddtree.runtime.compiled`) before the cache is reserved;
         refused, with the reason, where they cannot be."""
         from .compiled import CompiledLayers, compile_progress, compile_unsupported
 
@@ -445,8 +445,8 @@ class LeanTarget:
 
     def _attend_fused(self, index: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         """:meth:`_attend` by caddtree's attention kernel, reading each sequence's slot in place:
-        :func:`~caddtree.models.kernels.tree_attention` for one sequence,
-        :func:`~caddtree.models.kernels.tree_attention_batch` (the same bits per row) for
+        :func:`~caddtree.runtime.kernels.tree_attention` for one sequence,
+        :func:`~caddtree.runtime.kernels.tree_attention_batch` (the same bits per row) for
         several."""
         keys, values = self.keys[index], self.values[index]
         mask, seqs = rows.attention_inputs()
@@ -472,12 +472,12 @@ class LeanTarget:
         )
 
 
-class LeanVerifier(TreeVerifier):
-    """:class:`~caddtree.models.target.TreeVerifier` on :class:`LeanTarget` (one sequence, in
+class LeanVerifier(Verifier):
+    """:class:`~caddtree.runtime.verifier.Verifier` on :class:`LeanTarget` (one sequence, in
     slot 0): the same protocol, outputs and lossless guarantees, without transformers' forward.
 
     ``pack``: on the CPU, keep the fused linear weights packed for oneDNN. ``compile``:
-    ``"on"`` compiles the layers (:mod:`caddtree.models.compiled`; refused where they cannot be),
+    ``"on"`` compiles the layers (:mod:`caddtree.runtime.compiled`; refused where they cannot be),
     ``"off"`` keeps them eager, ``"auto"`` compiles bfloat16 layers where they can be and falls
     back to eager, with a warning, if compiling fails. ``runtime`` says which runs.
     ``progress``: show the first compile's progress line."""
@@ -500,8 +500,8 @@ class LeanVerifier(TreeVerifier):
         self.reset()
 
     def _compiles_well(self) -> bool:
-        """Whether ``auto`` compiles: bfloat16 layers that can be (float32 compiled was no faster
-        than eager on this project's CPU; see :mod:`caddtree.models.compiled`)."""
+        """Whether ``auto`` compiles: bfloat16 layers that can be (float32 stays eager; see
+        :mod:`caddtree.runtime.compiled`)."""
         from .compiled import compile_unsupported
 
         return self.target.dtype is torch.bfloat16 and compile_unsupported(self.target) is None

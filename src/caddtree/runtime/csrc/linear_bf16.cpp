@@ -1,11 +1,11 @@
 // caddtree::linear_bf16: y = x @ w.T (+ bias) for bfloat16 on CPUs with AVX512-BF16.
 //
 // Decoding and tree verification multiply a few rows (1 to a few dozen) by every weight of the
-// model, so they are bound by reading the weights once, and oneDNN's fixed cost per call (about
-// 10 us, 120 calls a forward on the built-in target) is a large share of a forward. This kernel
+// model, so they are bound by reading the weights once, and oneDNN's fixed cost per call (over a
+// hundred calls a forward; benchmarks/linear_kernel.py times both) is a large share of a forward. This kernel
 // reads each weight once, in one sequential stream, with no per-call set-up beyond a parallel loop.
 //
-// Layout (made once by caddtree.models.kernels.pack_rows): the output rows come in groups of 32
+// Layout (made once by caddtree.runtime.kernels.pack_rows): the output rows come in groups of 32
 // (the last one padded with zero rows; n says how many outputs are real), each group stored as
 // [K/2][32][2]: for every pair of input columns, the pair of weights of each
 // of the 32 rows. One 512-bit load then holds a column pair of 16 rows, and vdpbf16ps multiplies
@@ -130,7 +130,7 @@ using caddtree_amx::kTileRows;  // rows of x per tile
 
 constexpr int64_t kChunkBytes = kChunk * kGroup * 2;  // one chunk of a group's packed weights
 // Chunks ahead that a block's first pass prefetches: its tile loads wait on memory otherwise
-// (benchmarks/linear_kernel.py: 5-8% fewer ms at 1-32 rows with 4 than with none).
+// (a choice measured with benchmarks/linear_kernel.py at several distances).
 constexpr int64_t kPrefetchChunks = 4;
 
 inline bool amx_takes(int64_t K) { return K % kChunk == 0 && amx_allowed(); }
@@ -237,7 +237,7 @@ TORCH_LIBRARY_IMPL(caddtree, CPU, m) {
 // ---- greedy choices -------------------------------------------------------------------------------
 // caddtree::argmax_rows: per row of bfloat16 logits [N, V], the index of the largest value (the
 // first on ties; the first NaN if there is one), as torch.argmax gives; without widening the
-// logits to float32 first (a batched round's N x 49,152 logits took 1.3 ms that way).
+// logits to float32 first (a copy as large as the logits, every round).
 
 namespace caddtree_argmax {
 

@@ -23,7 +23,7 @@
 // rows of the call, so a row's result is the same bits alone or among others, and plain decoding
 // (one row) and tree verification (many) agree exactly.
 //
-// Layout (made once by caddtree.models.quantized.pack_blocks): outputs in groups of 32 (the last
+// Layout (made once by caddtree.runtime.quantized.pack_blocks): outputs in groups of 32 (the last
 // padded with zero blocks), each group a run of its K / 32 column blocks, each of
 //   dw [32] | mw or dw1 [32] (formats with two arrays) | the integers | fifth bits (5-bit formats)
 // (float16 or float32 scales), where the integers of output half h (outputs 16h .. 16h + 15)

@@ -1,5 +1,5 @@
 // The schemas of caddtree's CPU kernels (one library, built from every file here by
-// caddtree.models.kernels); each kernel's file registers its implementation.
+// caddtree.runtime.kernels); each kernel's file registers its implementation.
 
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
 """The arithmetic of a Llama-family / Qwen3 decoder layer, shared by the lean runtime's eager
-forward (:mod:`caddtree.models.lean`) and its compiled graphs (:mod:`caddtree.models.compiled`):
+forward (:mod:`caddtree.runtime.lean`) and its compiled graphs (:mod:`caddtree.runtime.compiled`):
 fused linear layers (packed on the CPU), RMSNorm, rotary embedding and the layer itself,
 with the cache's part (writing keys and values, attending) left to the caller (:data:`Attend`).
 """
@@ -39,7 +39,7 @@ __all__ = [
 class Linear(NamedTuple):
     """A linear layer over a weight made here (a fused one): its packed copy alone where packing
     applies (:meth:`of`; caddtree's bfloat16 kernel or oneDNN, see
-    :func:`~caddtree.models.packing.pack_weight`), else the plain weight. A tuple of tensors, so that a compiled
+    :func:`~caddtree.runtime.packing.pack_weight`), else the plain weight. A tuple of tensors, so that a compiled
     graph taking it checks no more than its tensors."""
 
     packed: torch.Tensor | None
@@ -86,8 +86,8 @@ def quantized_linear(
     parts: Sequence[Blocks], bias: torch.Tensor | None = None
 ) -> QuantLinear | QuantStack | None:
     """The weights ``parts`` (a GGUF file's blocks) computed side by side on the quantized
-    kernel: one :class:`~caddtree.models.quantized.QuantLinear` where they share a type, else a
-    :class:`~caddtree.models.quantized.QuantStack` of one per run of a type; ``None`` where one
+    kernel: one :class:`~caddtree.runtime.quantized.QuantLinear` where they share a type, else a
+    :class:`~caddtree.runtime.quantized.QuantStack` of one per run of a type; ``None`` where one
     of them is of a type the kernel does not take here."""
     if any(quantized_unsupported(part.kind, part.shape) for part in parts):
         return None
@@ -135,7 +135,7 @@ def weight_format(
 
 def packed_layers_fit(model: Any) -> bool:
     """Whether packed copies of the decoder layers' linear weights fit in memory
-    (:func:`~caddtree.models.packing.packing_fits`)."""
+    (:func:`~caddtree.runtime.packing.packing_fits`)."""
     needed = sum(
         m.weight.numel() * m.weight.element_size()
         for m in model.model.layers.modules()
@@ -283,7 +283,7 @@ def decoder_layer(
 ) -> torch.Tensor:
     """One decoder layer over rows ``x`` [N, hidden] whose rotary tables are ``cos``/``sin``;
     ``attend`` does the cache's part (eager: :class:`LeanTarget`; compiled:
-    :mod:`caddtree.models.compiled`; the drafter: :mod:`caddtree.models.batch_proposer`).
+    :mod:`caddtree.runtime.compiled`; the drafter: :mod:`caddtree.models.batch_proposer`).
 
     ``context`` [C, hidden]: rows that only give keys and values, ahead of ``x``'s (a DFlash
     drafter's projected context features, which enter its q/k/v projection without the input
