@@ -2,6 +2,15 @@
 // this process may use the tile unit, and the tile configuration (palette 1, every tile 64 bytes
 // wide; all 16 rows, or as many as a call of the linear kernel has), which each loads before its
 // tiles, so that neither needs to know what the other left loaded.
+//
+// The roles of the eight tiles, the same wherever the kernels allow (a product is C += A x B):
+//   tiles 0-3  C, float32 accumulators [16][16]: four output blocks at a time;
+//   tiles 4-5  A, the left operands [16 rows][32 bfloat16]: input rows (linear), cached keys
+//              (scores), probabilities in their hi and lo halves (values, tile 4 only);
+//   tiles 6-7  B, the right operands [16 pairs][16 dwords]: a weight group's two halves
+//              (linear), the queries' dim pairs (scores), value columns (values, which use tile 5
+//              as a third B tile since they need one A tile only).
+// The kernels name the tiles by these numbers; a comment where a tile is loaded says what it holds.
 
 #pragma once
 

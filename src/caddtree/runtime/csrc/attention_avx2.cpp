@@ -41,6 +41,7 @@
 #include <torch/library.h>
 
 #include "attention_op.h"
+#include "attention_steps.h"
 
 #include <algorithm>
 #include <array>
@@ -53,7 +54,9 @@ namespace {
 constexpr int64_t kBlock = 8;         // keys per block: one float32 lane each
 constexpr int64_t kMaxQueries = 16;   // (row, head) queries scored per pass (scores stay in L1)
 
+using caddtree_attention::Expf;
 using caddtree_attention::Problem;
+using caddtree_attention::score_queries;
 
 struct Query {
   const float* q;        // D dims, widened to float32
@@ -87,28 +90,28 @@ inline __m256i pack_perm(unsigned bits) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(kPack.lanes[bits]));
 }
 
-// exp(x) in float32 lanes for x <= 0, within 2 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
-// n ln2 split in two so that n * 0.693359375 is exact), times 2^n built in the exponent field;
-// 0 where exp(x) < 2^-126 (x = -inf included), NaN kept.
+// 8 float32 lanes, for the shared steps (attention_steps.h).
+struct V8 {
+  using reg = __m256;
+  static reg set1(float a) { return _mm256_set1_ps(a); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+};
+
+// exp(x) in float32 lanes for x <= 0, within 2 ulp (Expf of attention_steps.h), times 2^n built in
+// the exponent field; 0 where exp(x) < 2^-126 (x = -inf included), NaN kept.
 inline __m256 exp8(__m256 x) {
   const __m256 lowest = _mm256_set1_ps(-87.3365447506f);  // ln 2^-126
   const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
   x = _mm256_max_ps(lowest, x);  // NaN stays NaN (max_ps returns its second operand)
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(Expf::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // exact: few bits
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  const __m256 p = Expf::one_plus_poly<V8>(Expf::reduce<V8>(x, n));
   // n in -126 .. 0: 2^n is a normal float32 with biased exponent n + 127
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 y = _mm256_mul_ps(_mm256_add_ps(p, _mm256_set1_ps(1.0f)), _mm256_castsi256_ps(e));
-  return _mm256_andnot_ps(under, y);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 inline float hsum8(__m256 v) {  // fixed order: halves, then pairs, then the last two
@@ -205,13 +208,12 @@ template <int QN, int KB>
       _mm256_storeu_ps(qs[i].s + (b0 + j) * kBlock, _mm256_mul_ps(acc[i][j], sc));
 }
 
-// Every block for QN queries: tiles of KB blocks, then one tile of each smaller size.
-template <int QN, int KB>
-inline void score_queries(const uint32_t* kt, int64_t pairs, int64_t b, int64_t blocks, Query* qs,
-                          float scale) {
-  for (; b + KB <= blocks; b += KB) score_tile<QN, KB>(kt, pairs, qs, b, scale);
-  if constexpr (KB > 1) score_queries<QN, KB - 1>(kt, pairs, b, blocks, qs, scale);
-}
+struct Scores {
+  template <int QN, int KB>
+  static void tile(const uint32_t* kt, int64_t pairs, Query* qs, int64_t b0, float scale) {
+    score_tile<QN, KB>(kt, pairs, qs, b0, scale);
+  }
+};
 
 // The allowed entries of a mask row: 8 per block (none past L) and their places by rank
 // (`index`: room for blocks + 1 blocks); returns how many.
@@ -345,11 +347,11 @@ void run_items(const Problem& p, int64_t begin, int64_t end) {
         }
       }
       int64_t i = 0;  // 8 accumulators per tile where there are enough blocks
-      for (; i + 4 <= nq; i += 4) score_queries<4, 2>(keys.data(), pairs, 0, blocks, &qs[i], p.scale);
+      for (; i + 4 <= nq; i += 4) score_queries<Scores, 4, 2>(keys.data(), pairs, 0, blocks, &qs[i], p.scale);
       switch (nq - i) {
-        case 3: score_queries<3, 2>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
-        case 2: score_queries<2, 3>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
-        case 1: score_queries<1, 4>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
+        case 3: score_queries<Scores, 3, 2>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
+        case 2: score_queries<Scores, 2, 3>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
+        case 1: score_queries<Scores, 1, 4>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
       }
       const uint16_t* v = p.v + c * p.v_head;
       for (int64_t r = 0; r < rows; ++r) {

@@ -32,6 +32,7 @@
 
 #include "amx.h"
 #include "attention_op.h"
+#include "attention_steps.h"
 
 #include <algorithm>
 #include <array>
@@ -45,7 +46,9 @@ namespace {
 constexpr int64_t kBlock = 16;        // keys per block: one float32 lane each
 constexpr int64_t kMaxQueries = 16;   // (row, head) queries scored per pass (scores stay in L1)
 
+using caddtree_attention::Expf;
 using caddtree_attention::Problem;
+using caddtree_attention::score_queries;
 
 struct Query {
   const uint32_t* q;     // D / 2 dim pairs
@@ -55,22 +58,23 @@ struct Query {
   float sum;             // sum of the probabilities
 };
 
-// exp(x) in float32 lanes for finite x, within 2 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
-// n ln2 split in two so that n * 0.693359375 is exact); vscalefps multiplies by 2^n, giving 0 or
-// infinity out of range with no clamps.
+// 16 float32 lanes, for the shared steps (attention_steps.h).
+struct V16 {
+  using reg = __m512;
+  static reg set1(float a) { return _mm512_set1_ps(a); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
+};
+
+// exp(x) in float32 lanes for finite x, within 2 ulp (Expf of attention_steps.h); vscalefps
+// multiplies by 2^n, giving 0 or infinity out of range with no clamps.
 inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(Expf::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // exact: few bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  return _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);  // * 2^n, 0 below range
+  const __m512 p = Expf::one_plus_poly<V16>(Expf::reduce<V16>(x, n));
+  return _mm512_scalef_ps(p, n);  // * 2^n, 0 below range
 }
 
 // 16 x 16 dwords: r[i][j] becomes r[j][i].
@@ -153,13 +157,12 @@ inline void score_tile(const uint32_t* kt, int64_t pairs, Query* qs, int64_t b0,
       _mm512_storeu_ps(qs[i].s + (b0 + j) * kBlock, _mm512_mul_ps(acc[i][j], sc));
 }
 
-// Every block for QN queries: tiles of KB blocks, then one tile of each smaller size.
-template <int QN, int KB>
-inline void score_queries(const uint32_t* kt, int64_t pairs, int64_t b, int64_t blocks, Query* qs,
-                          float scale) {
-  for (; b + KB <= blocks; b += KB) score_tile<QN, KB>(kt, pairs, qs, b, scale);
-  if constexpr (KB > 1) score_queries<QN, KB - 1>(kt, pairs, b, blocks, qs, scale);
-}
+struct Scores {
+  template <int QN, int KB>
+  static void tile(const uint32_t* kt, int64_t pairs, Query* qs, int64_t b0, float scale) {
+    score_tile<QN, KB>(kt, pairs, qs, b0, scale);
+  }
+};
 
 // Scores into probabilities (unnormalized, zero where masked); returns their sum. The sum runs
 // over the allowed entries packed together (`packed`: room for blocks + 1 blocks), 16 lanes by
@@ -278,11 +281,11 @@ void run_items(const Problem& p, int64_t begin, int64_t end) {
         }
       }
       int64_t i = 0;  // 24 accumulators per tile where there are enough blocks
-      for (; i + 4 <= nq; i += 4) score_queries<4, 6>(keys.data(), pairs, 0, blocks, &qs[i], p.scale);
+      for (; i + 4 <= nq; i += 4) score_queries<Scores, 4, 6>(keys.data(), pairs, 0, blocks, &qs[i], p.scale);
       switch (nq - i) {
-        case 3: score_queries<3, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
-        case 2: score_queries<2, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
-        case 1: score_queries<1, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
+        case 3: score_queries<Scores, 3, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
+        case 2: score_queries<Scores, 2, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
+        case 1: score_queries<Scores, 1, 8>(keys.data(), pairs, 0, blocks, &qs[i], p.scale); break;
       }
       for (int64_t j = 0; j < nq; ++j) qs[j].sum = softmax(qs[j].s, qs[j].bits, blocks, packed.data());
       value_queries<NV, QV>(p.v + c * p.v_head, p.v_row, p.L, qs.data(), nq);
