@@ -223,6 +223,13 @@ def test_prepare_data_resumes_and_checks_fingerprint(target, tmp_path):
         for a, b in [(0, 2), (2, 5)]
     ]
     assert "seconds" not in ranges[0] and ranges[1]["generator"] in ("engine", "hf")
+    # the committed form: only the .xz beside the run's path, which the run resumes from
+    xz = tmp_path / "committed" / "data.safetensors"
+    TrainingData(full.sequences[:3], full.prompt_lengths[:3], full.meta).save(f"{xz}.xz")
+    grown = prepare_data(target, tok, prompts, xz, max_new_tokens=6, chunk_size=2, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(grown.sequences, full.sequences))
+    ranges = TrainingData.read_meta(xz)["generators"]  # only the last two were generated
+    assert [(r["first"], r["end"]) for r in ranges][-1] == (3, 5)
     with pytest.raises(ValueError, match="other prompts"):
         prepare_data(target, tok, prompts[::-1], path, max_new_tokens=6, progress=False)
 

@@ -317,7 +317,7 @@ def prepare_data(
     }
     prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     done = TrainingData([], [], dict(settings))
-    if path.is_file():
+    if TrainingData.exists(path):  # the file, or its committed .xz copy
         done = TrainingData.load(path)
         saved = {k: done.meta.get(k) for k in settings}
         same_prompts = all(
