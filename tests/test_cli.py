@@ -657,3 +657,53 @@ def test_compare_ar_runs_every_baseline_under_the_raised_context_window(capsys, 
     assert out["prompt_tokens"] + 62 > 64  # the request does not fit the model's own window
     assert out["ar"]["token_ids"] == out["token_ids"]  # lossless past the window
     assert out["ar_float64"]["stats"]["new_tokens"] >= 1
+
+
+def test_train_drafter_adds_second_turns_of_its_conversations(
+    capsys, tiny_pair_dirs, tmp_path, monkeypatch
+):
+    """--followups N: the target writes the next user message of the first N finished
+    conversations of the data, and the kept ones become three-message prompts whose responses
+    are appended; a second run with the same options changes nothing. (The tiny target writes
+    gibberish that Magpie's filter, tested on its own, would drop: here it keeps every message.)"""
+    from transformers import AutoTokenizer
+
+    from caddtree.train import TrainingData, followups
+    from caddtree.train.magpie import MagpieFilterReport
+
+    def keep_all(records):
+        kept = [i for i, r in enumerate(records) if r["query"]]
+        return MagpieFilterReport([records[i]["query"] for i in kept], kept_records=kept)
+
+    monkeypatch.setattr(followups, "filter_queries", keep_all)
+
+    target, _ = tiny_pair_dirs
+    prompts = tmp_path / "prompts.jsonl"
+    words = ["cats", "dogs", "rain", "sun", "moss", "tea", "owls", "sand", "reed", "figs"]
+    prompts.write_text("".join(json.dumps({"prompt": f"tell me about {w}"}) + "\n" for w in words))
+    out = tmp_path / "run"
+    argv = ["train-drafter", "--target", str(target), "--output", str(out), "--data-only"]
+    argv += ["--sharegpt", "0", "--code", "0", "--math", "0", "--dtype", "float64"]
+    argv += ["--max-new-tokens", "48", "--prompts", str(prompts), "--followups", "4"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "follow-ups:" in err
+    data = TrainingData.load(out / "data.safetensors")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    records = [json.loads(x) for x in (out / "followups_raw.jsonl").read_text().splitlines()]
+    assert 0 < len(records) <= 4 and len(data.sequences) == 10 + len(records)
+    chats = followups.conversations(
+        TrainingData(data.sequences[:10], data.prompt_lengths[:10], data.meta), tokenizer, 4
+    )
+    for k, (chat, record) in enumerate(zip(chats, records)):
+        prompt = tokenizer.decode(data.sequences[10 + k][: data.prompt_lengths[10 + k]])
+        assert (
+            chat[1]["content"] in prompt
+            and prompt.rstrip().endswith(
+                tokenizer.decode(tokenizer(record["query"], add_special_tokens=False)["input_ids"])
+            )
+            or record["query"] in prompt
+        )
+    before = (out / "data.safetensors").read_bytes()
+    assert main(argv) == 0
+    assert (out / "data.safetensors").read_bytes() == before

@@ -12,6 +12,7 @@ from caddtree import CaddtreeError
 from caddtree.train.magpie import (
     PERSONAS,
     Persona,
+    assistant_turns,
     filter_queries,
     generate_queries,
     persona_of_batch,
@@ -117,6 +118,8 @@ def test_user_messages_finds_each_user_turn_of_a_chat_prompt():
     ]
     ids = chat_prompt_ids(tokenizer, chat)
     assert user_messages(tokenizer, ids) == ["first question,\nover two lines", "a follow-up"]
+    assert assistant_turns(tokenizer, ids) == 2
+    assert assistant_turns(tokenizer, chat_prompt_ids(tokenizer, "one question")) == 1
 
 
 def rec(query, finished=True, persona="none"):
@@ -202,3 +205,52 @@ def test_chat_prompts_are_checked_against_benchmarks_turn_by_turn():
         sources={"file": lambda: [chat_hit, chat_ok, chat_ok]}, benchmark_index=index
     )
     assert result.prompts == [chat_ok] and result.overlap == 1 and result.duplicates == 1
+
+
+def test_followups_continue_conversations_and_resume(tok, tmp_path):
+    """Second turns: the conversations are the data's finished single-turn samples in order; the
+    next user messages are sampled resumably (a grown count keeps the earlier records), and the
+    filtered ones become [user, assistant, user] prompts."""
+    import torch
+
+    from caddtree.train.data import TrainingData, chat_prompt_ids
+    from caddtree.train.followups import conversations, followup_prompts, generate_followups
+
+    stop = 1
+    seqs, lengths = [], []
+    for i, (text, finished) in enumerate(
+        [("hello there", True), ("what now", False), ("tell me more", True), ("and so", True)]
+    ):
+        prompt = chat_prompt_ids(tok, text)
+        answer = tok(f"answer number {i}", add_special_tokens=False)["input_ids"]
+        seqs.append(torch.tensor(prompt + answer + ([stop] if finished else [])))
+        lengths.append(len(prompt))
+    data = TrainingData(seqs, lengths, {"stops": [stop]})
+    chats = conversations(data, tok, 3)
+    assert [c[1]["content"] for c in chats] == [
+        "answer number 0",
+        "answer number 2",
+        "answer number 3",
+    ]
+    assert all([m["role"] for m in c] == ["user", "assistant"] for c in chats)
+
+    target = qwen3_target()
+    kwargs = dict(batch_size=2, max_new_tokens=8, stop_token_ids=[stop], progress=False, seed=2)
+    first = generate_followups(target, tok, chats[:2], tmp_path / "f.jsonl", **kwargs)
+    grown = generate_followups(target, tok, chats, tmp_path / "f.jsonl", **kwargs)
+    assert grown[:2] == first and [r["conversation"] for r in grown] == [0, 1, 2]
+    again = generate_followups(target, tok, chats, tmp_path / "f.jsonl", **kwargs)
+    assert again == grown  # nothing left to sample
+    questions = [
+        "Could you show the same idea with a worked example?",
+        "Why does that happen, and is there another way?",
+        "Which of these would you pick for a small team, and when?",
+    ]
+    records = [dict(r, query=q, finished=True) for r, q in zip(grown, questions)]
+    records[1]["finished"] = False
+    prompts = followup_prompts(chats, records)
+    assert [p[:2] for p in prompts] == [chats[0], chats[2]]
+    assert [p[2] for p in prompts] == [
+        {"role": "user", "content": records[0]["query"]},
+        {"role": "user", "content": records[2]["query"]},
+    ]

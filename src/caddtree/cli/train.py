@@ -53,8 +53,8 @@ def train_drafter(args: argparse.Namespace) -> int:
             sources["magpie"] = lambda: kept
         if user_prompts is not None:
             sources["file"] = lambda: user_prompts
-        prompt_set = _choose_prompts(args, config, tokenizer, sources, out)
-        data = _make_data(args, target, tokenizer, prompt_set.prompts, out, stops, timings)
+        model = (target, tokenizer, stops)
+        prompt_set, data = _prompts_and_data(args, config, model, sources, out, timings)
         _write_heldout_prompts(data, config, prompt_set.prompts, out)
         prompts = {
             "total": len(prompt_set.prompts),
@@ -95,6 +95,7 @@ def _check_prompt_counts(args: argparse.Namespace) -> None:
         ("--code", args.code),
         ("--math", args.math),
         ("--magpie", args.magpie),
+        ("--followups", args.followups),
     ):
         check_int(flag, count, minimum=0)
     code_pool = len(prompt_data.stdlib_code_prompts())
@@ -186,6 +187,69 @@ def _builtin_sources(args: argparse.Namespace) -> dict[str, Any]:
         "math": lambda: prompt_data.synthetic_math_prompts(args.math, seed=args.seed),
     }
     return sources
+
+
+def _prompts_and_data(
+    args: argparse.Namespace,
+    config: Any,
+    model: tuple[Any, Any, list[int]],
+    sources: dict[str, Any],
+    out: Any,
+    timings: dict[str, float],
+) -> tuple[Any, Any]:
+    """The training prompts and their data. With --followups, the second turns of the data's
+    conversations join the sources (those of the data already made first, so that it stays a
+    prefix), and once the data has grown, those of its new conversations too."""
+    from ..train import TrainingData
+
+    target, tokenizer, stops = model
+    path = out / "data.safetensors"
+    followed: list[Any] = []
+    if args.followups and TrainingData.exists(path):
+        followed = _followup_prompts(args, model, TrainingData.load(path), out, timings)
+    if args.followups:
+        sources["followup"] = lambda: followed
+    prompt_set = _choose_prompts(args, config, tokenizer, sources, out)
+    data = _make_data(args, target, tokenizer, prompt_set.prompts, out, stops, timings)
+    if args.followups:
+        more = _followup_prompts(args, model, data, out, timings)
+        if len(more) > len(followed):
+            sources["followup"] = lambda: more
+            prompt_set = _choose_prompts(args, config, tokenizer, sources, out)
+            data = _make_data(args, target, tokenizer, prompt_set.prompts, out, stops, timings)
+    return prompt_set, data
+
+
+def _followup_prompts(
+    args: argparse.Namespace,
+    model: tuple[Any, Any, list[int]],
+    data: Any,
+    out: Any,
+    timings: dict[str, float],
+) -> list[Any]:
+    """The second turns of the first --followups finished conversations of ``data`` that the
+    filter keeps (:mod:`caddtree.train.followups`), sampled once into followups_raw.jsonl."""
+    import time
+
+    from ..train.followups import conversations, followup_prompts, generate_followups
+
+    target, tokenizer, stops = model
+    t0 = time.perf_counter()
+    chats = conversations(data, tokenizer, args.followups)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    raw = generate_followups(
+        target,
+        tokenizer,
+        chats,
+        out / "followups_raw.jsonl",
+        seed=args.seed,
+        stop_token_ids=stops,
+        pad_token_id=pad,
+    )
+    timings["followups_s"] = timings.get("followups_s", 0.0) + round(time.perf_counter() - t0, 1)
+    prompts = followup_prompts(chats, raw)
+    print(f"follow-ups: {len(prompts)} of {len(raw)} sampled second turns kept", file=sys.stderr)
+    return prompts
 
 
 def _magpie_prompts(
@@ -418,6 +482,13 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="sample this many user queries from the target itself (Magpie), then filter them",
+    )
+    p.add_argument(
+        "--followups",
+        type=int,
+        default=0,
+        help="continue this many of the data's conversations with a second user message the "
+        "target writes itself (Magpie's way), and train on those conversations too",
     )
     p.add_argument(
         "--prompts",

@@ -35,6 +35,7 @@ __all__ = [
     "PERSONAS",
     "MagpieFilterReport",
     "Persona",
+    "assistant_turns",
     "filter_queries",
     "generate_queries",
     "persona_of_batch",
@@ -131,21 +132,38 @@ def persona_of_batch(personas: Sequence[Persona], batch: int) -> Persona:
 _SENTINEL = "\x00MAGPIE-QUERY\x00"
 
 
-def pre_query_ids(tokenizer: Any, system: str | None = None) -> list[int]:
-    """Token ids of the chat template up to where the user's first message starts.
+def pre_query_ids(
+    tokenizer: Any, system: str | None = None, history: Sequence[dict[str, str]] = ()
+) -> list[int]:
+    """Token ids of the chat template up to where the user's next message starts: the first
+    one (after ``system`` when given), or the one after the conversation ``history``.
 
-    Renders a conversation with a placeholder user message (after ``system`` when given) and
-    keeps the text before the placeholder, so any chat template works, not only ChatML.
+    Renders a conversation with a placeholder user message and keeps the text before the
+    placeholder, so any chat template works, not only ChatML.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidInputError("Magpie prompts need a target whose tokenizer has a chat template")
     messages = [] if system is None else [{"role": "system", "content": system}]
-    messages.append({"role": "user", "content": _SENTINEL})
+    messages += [*history, {"role": "user", "content": _SENTINEL}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     head, found, _ = text.partition(_SENTINEL)
     if not found:
         raise InvalidInputError("the chat template does not include the user's message as is")
     return [int(t) for t in tokenizer(head, add_special_tokens=False)["input_ids"]]
+
+
+def assistant_turns(tokenizer: Any, prompt_ids: Sequence[int]) -> int:
+    """How many assistant turns a chat prompt's token ids open, its generation prompt counted
+    (1 for a single question): the text the chat template puts between a user message and the
+    assistant's, counted in the decoded prompt (1 without a chat template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 1
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}, {"role": "assistant", "content": _SENTINEL}],
+        tokenize=False,
+    )
+    opener = probe.split(_SENTINEL)[1]
+    return tokenizer.decode(list(prompt_ids), skip_special_tokens=False).count(opener)
 
 
 def user_messages(tokenizer: Any, prompt_ids: Sequence[int]) -> list[str]:
@@ -294,6 +312,7 @@ class MagpieFilterReport:
     kept: list[str]
     dropped: Counter = field(default_factory=Counter)
     per_persona: Counter = field(default_factory=Counter)
+    kept_records: list[int] = field(default_factory=list)  # where each kept query came from
 
 
 def filter_queries(
@@ -314,7 +333,7 @@ def filter_queries(
     report = MagpieFilterReport([])
     kept_shingles: list[set] = []
     index: dict[tuple[str, ...], list[int]] = {}
-    for rec in records:
+    for position, rec in enumerate(records):
         text = rec["query"]
         if not rec.get("finished", True):
             report.dropped["unfinished"] += 1
@@ -342,6 +361,7 @@ def filter_queries(
         for s in sh:
             index.setdefault(s, []).append(k)
         report.kept.append(text)
+        report.kept_records.append(position)
         report.per_persona[rec.get("persona", "?")] += 1
     return report
 

@@ -1,0 +1,134 @@
+"""Second turns of conversations (``caddtree train-drafter --followups N``): the target, shown a
+conversation of the training data (a user's query and its own answer), writes the user's next
+message itself, Magpie's way (:mod:`caddtree.train.magpie`); the conversation with that message
+becomes a training prompt, whose response the target writes next. Multi-turn prompts (MT-Bench's
+second turns, chats) then have training data of their own shape.
+
+:func:`conversations` picks the conversations from the data, :func:`generate_followups` samples
+the messages (resumable through a JSON-lines file, one record per conversation) and
+:func:`followup_prompts` filters them and builds the prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..util.files import atomic_write_text
+from .data import TrainingData
+from .magpie import (
+    assistant_turns,
+    filter_queries,
+    pre_query_ids,
+    read_raw_queries,
+    user_messages,
+)
+
+__all__ = ["conversations", "followup_prompts", "generate_followups"]
+
+Conversation = list[dict[str, str]]
+
+
+def conversations(data: TrainingData, tokenizer: Any, count: int) -> list[Conversation]:
+    """The first ``count`` samples of ``data`` that ask one question (no earlier turns) and have a
+    finished answer (it ended with a stop token), as ``[user, assistant]`` messages, in the data's order (which only
+    grows by appending, so a larger ``count`` keeps the earlier conversations first)."""
+    found: list[Conversation] = []
+    stops = set(data.meta.get("stops", ()))
+    for seq, p in zip(data.sequences, data.prompt_lengths):
+        if len(found) == count:
+            break
+        response = seq[p:].tolist()
+        prompt = seq[:p].tolist()
+        if not response or response[-1] not in stops or assistant_turns(tokenizer, prompt) != 1:
+            continue
+        turns = user_messages(tokenizer, prompt)
+        answer = tokenizer.decode(response[:-1], skip_special_tokens=True).strip()
+        if answer:
+            found.append(
+                [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": answer}]
+            )
+    return found
+
+
+def generate_followups(
+    target: Any,
+    tokenizer: Any,
+    chats: Sequence[Conversation],
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    batch_size: int = 32,
+    max_new_tokens: int = 64,
+    stop_token_ids: Sequence[int] = (),
+    pad_token_id: int = 0,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Sample the user's next message after each conversation of ``chats`` from ``target`` at
+    temperature 1, resumable through ``path``: one record ``{"batch", "conversation", "query",
+    "finished"}`` per conversation, in order. The records there are kept as they are and the
+    conversations after them sampled in batches from there, the batch starting at conversation
+    ``i`` with the random seed ``(seed, i)``, so that prompts made from them earlier stay."""
+    import torch
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    records = read_raw_queries(path)
+    stops = {int(t) for t in stop_token_ids}
+    device = target.get_input_embeddings().weight.device
+    records = records[: len(chats)]
+    starts = range(len(records), len(chats), batch_size)
+    bar = tqdm(total=len(chats), initial=len(records), desc="follow-ups", disable=not progress)
+    for start in starts:
+        prefixes = [pre_query_ids(tokenizer, history=c) for c in chats[start : start + batch_size]]
+        width = max(map(len, prefixes))
+        ids = torch.full((len(prefixes), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prefix in enumerate(prefixes):  # left-padded
+            ids[row, width - len(prefix) :] = torch.tensor(prefix)
+            mask[row, width - len(prefix) :] = 1
+        torch.manual_seed(seed * 1_000_003 + 7919 + start)
+        with torch.inference_mode():
+            out = target.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=sorted(stops) or None,
+                pad_token_id=pad_token_id,
+            )
+        for row, tokens in enumerate(out[:, width:].tolist()):
+            cut = next((j for j, t in enumerate(tokens) if t in stops), None)
+            text = tokenizer.decode(
+                tokens if cut is None else tokens[:cut], skip_special_tokens=True
+            )
+            records.append(
+                {
+                    "batch": start,
+                    "conversation": start + row,
+                    "query": text.strip(),
+                    "finished": cut is not None,
+                }
+            )
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+        bar.update(len(prefixes))
+    bar.close()
+    return records
+
+
+def followup_prompts(
+    chats: Sequence[Conversation], records: Sequence[dict[str, Any]]
+) -> list[Conversation]:
+    """The conversations with the sampled next messages that pass Magpie's filter (finished, not
+    degenerate, no near-duplicate of another), each as ``[user, assistant, user]``."""
+    report = filter_queries(records)
+    return [
+        [*chats[records[i]["conversation"]], {"role": "user", "content": query}]
+        for i, query in zip(report.kept_records, report.kept)
+    ]
