@@ -214,6 +214,14 @@ def test_train_drafter_on_a_prompt_file_end_to_end(capsys, tiny_pair_dirs, tmp_p
     assert "draft vocabulary" in capsys.readouterr().err
 
 
+def ten_prompts(folder):
+    """A prompt file of ten short questions."""
+    prompts = folder / "prompts.jsonl"
+    words = ["cats", "dogs", "rain", "sun", "moss", "tea", "owls", "sand", "reed", "figs"]
+    prompts.write_text("".join(json.dumps({"prompt": f"tell me about {w}"}) + "\n" for w in words))
+    return prompts
+
+
 def test_train_drafter_grows_its_data_by_appending(capsys, tiny_pair_dirs, tmp_path):
     """A second run into the same directory with larger sources keeps every response made
     before, first and in order, appends the new prompts' responses, and keeps each earlier
@@ -221,9 +229,7 @@ def test_train_drafter_grows_its_data_by_appending(capsys, tiny_pair_dirs, tmp_p
     from caddtree.train import TrainingData
 
     target, _ = tiny_pair_dirs
-    prompts = tmp_path / "prompts.jsonl"
-    words = ["cats", "dogs", "rain", "sun", "moss", "tea", "owls", "sand", "reed", "figs"]
-    prompts.write_text("".join(json.dumps({"prompt": f"tell me about {w}"}) + "\n" for w in words))
+    prompts = ten_prompts(tmp_path)
     out = tmp_path / "run"
     base = ["train-drafter", "--target", str(target), "--output", str(out), "--data-only"]
     base += ["--sharegpt", "0", "--code", "0", "--dtype", "float64", "--max-new-tokens", "6"]
@@ -678,9 +684,7 @@ def test_train_drafter_adds_second_turns_of_its_conversations(
     monkeypatch.setattr(followups, "filter_queries", keep_all)
 
     target, _ = tiny_pair_dirs
-    prompts = tmp_path / "prompts.jsonl"
-    words = ["cats", "dogs", "rain", "sun", "moss", "tea", "owls", "sand", "reed", "figs"]
-    prompts.write_text("".join(json.dumps({"prompt": f"tell me about {w}"}) + "\n" for w in words))
+    prompts = ten_prompts(tmp_path)
     out = tmp_path / "run"
     argv = ["train-drafter", "--target", str(target), "--output", str(out), "--data-only"]
     argv += ["--sharegpt", "0", "--code", "0", "--math", "0", "--dtype", "float64"]

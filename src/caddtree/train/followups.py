@@ -24,6 +24,7 @@ from .magpie import (
     filter_queries,
     pre_query_ids,
     read_raw_queries,
+    sample_messages,
     user_messages,
 )
 
@@ -78,7 +79,6 @@ def generate_followups(
     path = Path(path)
     records = read_raw_queries(path)
     stops = {int(t) for t in stop_token_ids}
-    device = target.get_input_embeddings().weight.device
     records = records[: len(chats)]
     starts = range(len(records), len(chats), batch_size)
     bar = tqdm(total=len(chats), initial=len(records), desc="follow-ups", disable=not progress)
@@ -91,30 +91,12 @@ def generate_followups(
             ids[row, width - len(prefix) :] = torch.tensor(prefix)
             mask[row, width - len(prefix) :] = 1
         torch.manual_seed(seed * 1_000_003 + 7919 + start)
-        with torch.inference_mode():
-            out = target.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=sorted(stops) or None,
-                pad_token_id=pad_token_id,
-            )
-        for row, tokens in enumerate(out[:, width:].tolist()):
-            cut = next((j for j, t in enumerate(tokens) if t in stops), None)
-            text = tokenizer.decode(
-                tokens if cut is None else tokens[:cut], skip_special_tokens=True
-            )
+        sampled = sample_messages(
+            target, tokenizer, ids, mask, max_new_tokens, stops, pad_token_id=pad_token_id
+        )
+        for row, (text, finished) in enumerate(sampled):
             records.append(
-                {
-                    "batch": start,
-                    "conversation": start + row,
-                    "query": text.strip(),
-                    "finished": cut is not None,
-                }
+                {"batch": start, "conversation": start + row, "query": text, "finished": finished}
             )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
         bar.update(len(prefixes))

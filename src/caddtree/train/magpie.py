@@ -40,6 +40,7 @@ __all__ = [
     "generate_queries",
     "persona_of_batch",
     "read_raw_queries",
+    "sample_messages",
     "user_messages",
     "pre_query_ids",
     "read_prompt_file",
@@ -247,34 +248,58 @@ def generate_queries(
         prefix = torch.tensor([pre_query_ids(tokenizer, persona.system)], device=device)
         ids = prefix.repeat(batch_size, 1)
         torch.manual_seed(seed * 1_000_003 + b)
-        with torch.inference_mode():
-            out = target.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=sorted(stops) or None,
-                pad_token_id=sorted(stops)[0] if stops else 0,
-                cache_implementation="static",
-            )
-        for row in out[:, prefix.shape[1] :].tolist():
-            cut = next((j for j, t in enumerate(row) if t in stops), None)
-            text = tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
+        sampled = sample_messages(
+            target, tokenizer, ids, torch.ones_like(ids), max_new_tokens, stops, static=True
+        )
+        for text, finished in sampled:
             records.append(
-                {
-                    "batch": b,
-                    "persona": persona.name,
-                    "query": text.strip(),
-                    "finished": cut is not None,
-                }
+                {"batch": b, "persona": persona.name, "query": text, "finished": finished}
             )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
         bar.update(batch_size)
     bar.close()
     return records
+
+
+def sample_messages(
+    target: Any,
+    tokenizer: Any,
+    ids: Any,
+    mask: Any,
+    max_new_tokens: int,
+    stops: set[int],
+    *,
+    pad_token_id: int | None = None,
+    static: bool = False,
+) -> list[tuple[str, bool]]:
+    """The messages ``target`` writes after each row of ``ids`` (left-padded where ``mask`` says)
+    at temperature 1, with the torch seed as set: each message's text (stripped) and whether it
+    ended with a stop token within ``max_new_tokens``. ``static``: a static cache (rows of one
+    length)."""
+    import torch
+
+    device = target.get_input_embeddings().weight.device
+    pad = pad_token_id if pad_token_id is not None else (min(stops) if stops else 0)
+    extra = {"cache_implementation": "static"} if static else {}
+    with torch.inference_mode():
+        out = target.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(stops) or None,
+            pad_token_id=pad,
+            **extra,
+        )
+    messages = []
+    for row in out[:, ids.shape[1] :].tolist():
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
+        text = tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
+        messages.append((text.strip(), cut is not None))
+    return messages
 
 
 # ---- filtering ----------------------------------------------------------------------------------
