@@ -112,11 +112,12 @@ def chi_square_pvalue(counts, probs):
     return chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue
 
 
-def ddtree_first_tokens(model, prompt, samples, verifier_type, seed):
+def ddtree_first_tokens(model, prompt, samples, verifier_type, seed, policy=("ddtree", {})):
     """``(counts, accepted)``: ``counts[k, t]``, how often token ``k + 1`` of ``samples``
     generations at temperature 1 (seeds ``seed``, ``seed + 1``, ...) was ``t``, each walking a
     DDTree of 12 nodes built from the target's own marginals (an oracle drafter, blocks of 3) on
-    ``verifier_type``; ``accepted``, the draft tokens their first rounds accepted."""
+    ``verifier_type``, or the tree of another ``policy`` (method, options); ``accepted``, the
+    draft tokens their first rounds accepted."""
     from caddtree.core.sampling import Sampler
     from oracle import OracleProposer, decode_with
 
@@ -127,8 +128,8 @@ def ddtree_first_tokens(model, prompt, samples, verifier_type, seed):
         result = decode_with(
             model,
             prompt,
-            "ddtree",
-            {"budget": 12},
+            policy[0],
+            {"budget": 12, **policy[1]} if policy[0] == "ddtree" else policy[1],
             proposer,
             4,
             verifier_type=verifier_type,

@@ -92,11 +92,13 @@ def test_a_stop_token_ends_a_request_where_it_ends_alone(qwen3, drafter):
     assert other.output == hf_generate(qwen3, PROMPTS[1], 30)
 
 
-def test_a_sampled_request_draws_the_same_tokens_in_a_batch_as_alone(qwen3, drafter):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_sampled_request_draws_the_same_tokens_in_a_batch_as_alone(qwen3, drafter, lookup):
+    """Whatever its trees (copies' estimates pooled with other requests' differ from alone)."""
+
     def sampled(seed: int) -> GenerationRequest:
-        return GenerationRequest(
-            PROMPTS[1], make_policy("ddtree", budget=6), 24, sampler=Sampler(1.0, seed=seed)
-        )
+        policy = make_policy("ddtree", budget=6, lookup=lookup)
+        return GenerationRequest(PROMPTS[1], policy, 24, sampler=Sampler(1.0, seed=seed))
 
     alone = decoder(qwen3, drafter, 1).run([sampled(3)])[0].output
     crowd = requests([10, 18, 7, 25])
@@ -148,22 +150,24 @@ def test_bad_requests_are_refused(qwen3, drafter):
         batch.add(GenerationRequest([3], make_policy("ar"), 4))
 
 
+@pytest.mark.parametrize("lookup", [False, True], ids=["drafts", "drafts-and-copies"])
 @pytest.mark.parametrize("max_batch", [2, 4])
-def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch):
-    """CaDDTree requests whose trees come from one joint budget: still plain greedy decoding. A
-    request left alone (the batch draining) builds its own CaDDTree tree."""
+def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch, lookup):
+    """CaDDTree requests whose trees come from one joint budget (with copies from each one's
+    context too, or not): still plain greedy decoding. A request left alone (the batch draining)
+    builds its own CaDDTree tree."""
     target = LeanTarget(qwen3, FEATURE_LAYER_IDS)
     batch = BatchDecoder(
         target, drafter, max_batch=max_batch, capacity=64, joint_cost_model=COST, joint_max_nodes=24
     )
-    caddtree = make_policy("caddtree", cost_model=COST, max_budget=24)
+    caddtree = make_policy("caddtree", cost_model=COST, max_budget=24, lookup=lookup)
     lengths = [14, 22, 9, 30, 17]
     todo = [GenerationRequest(p, caddtree, n) for p, n in zip(PROMPTS, lengths)]
     seen, rounds = [], []
     original, step = batch.joint.trees, batch.step
 
-    def spy(drafts, lengths):
-        trees = original(drafts, lengths)
+    def spy(drafts, lengths, tries=()):
+        trees = original(drafts, lengths, tries)
         seen.append((len(batch.running), trees))
         return trees
 
@@ -177,6 +181,31 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
     assert {running for running, _ in seen} == set(range(2, max_batch + 1))  # joint: 2 or more
     # the joint trees were verified
     assert any(sum(len(t) for t in trees) > 0 for _, trees in seen)
+    copied = sum(s.copied_accepted for r in done for s in r.round_stats)
+    assert (copied > 0) == lookup  # copies were accepted in joint rounds where they were asked
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_requests_with_copies_from_their_context_are_plain_greedy_decoding(
+    qwen3, drafter, max_batch
+):
+    """Lookup alone, and copies merged into DDTree's and CaDDTree's trees, in a batch that
+    requests join and leave: each request is still plain greedy decoding, with its own index."""
+    policies = [
+        make_policy("lookup"),
+        make_policy("ddtree", budget=6, lookup=True),
+        make_policy("caddtree", cost_model=COST, max_budget=24, lookup=True),
+        make_policy("ar"),
+        make_policy("lookup"),
+    ]
+    lengths = [24, 30, 19, 12, 27]
+    todo = [GenerationRequest(p, q, n) for p, q, n in zip(PROMPTS, policies, lengths)]
+    done = decoder(qwen3, drafter, max_batch).run(todo)
+    for request in done:
+        reference = hf_generate(qwen3, list(request.prompt_ids), request.max_new_tokens)
+        assert request.output == reference, request.policy.name
+    copied = [sum(s.copied_accepted for s in r.round_stats) for r in done if r.policy.lookup]
+    assert sum(copied) > 0
 
 
 def joint_decoder(target, drafter, max_batch):

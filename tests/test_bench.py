@@ -113,6 +113,22 @@ def test_parse_methods_expands_the_grid_and_puts_ar_first():
         parse_methods(["ddtree"], budgets=[0])
 
 
+def test_parse_methods_with_copies_from_the_context():
+    specs = parse_methods(["lookup", "caddtree+lookup", "ddtree-8+LOOKUP", "dflash"], budgets=[4])
+    labels = {s.label: (s.family, s.budget, s.lookup) for s in specs}
+    assert labels == {
+        "lookup": ("lookup", None, False),
+        "caddtree+lookup": ("caddtree", None, True),
+        "ddtree-8+lookup": ("ddtree", 8, True),
+        "dflash": ("dflash", None, False),
+    }
+    every = parse_methods(["ar", "ddtree", "caddtree-cv2", "dflash"], budgets=[4], lookup=True)
+    assert [s.label for s in every] == ["ar", "ddtree-4+lookup", "caddtree-cv2+lookup", "dflash"]
+    for bad in (["dflash+lookup"], ["ar+lookup"], ["lookup+lookup"]):
+        with pytest.raises(InvalidInputError, match="may end in \\+lookup"):
+            parse_methods(bad)
+
+
 def test_parse_methods_ar_in_other_dtypes():
     specs = parse_methods(["caddtree", "ar-fp32", "ar-BF16", "ar", "ar-float32", "ar-float64"])
     # `ar` first (the run's dtype: matches_ar is against it), then the other dtypes; aliases fold
@@ -274,6 +290,29 @@ def test_report_renders_bench_output(bench_run, tmp_path):
     assert any(n.startswith("fig6") for n in names)  # the trees the bench saved
     md = (tmp_path / "report" / "report.md").read_text()
     assert "caddtree-constant" in md and "ddtree-6" in md
+
+
+def test_bench_runs_methods_with_copies_from_the_context(bench_inputs, tmp_path):
+    from caddtree.bench.report import write_report
+
+    out = tmp_path / "lookup" / "results.jsonl"
+    argv = _args(bench_inputs, out, "--methods", "ar", "lookup", "caddtree", "--lookup")
+    assert main([*argv, "--max-new-tokens", "24"]) == 0
+    records = read_records(out)
+    assert {r["method"] for r in records} == {"ar", "lookup", "caddtree+lookup"}
+    for r in records:
+        validate_record(r, r["method"])
+        assert r["matches_ar"] is (None if r["method"] == "ar" else True), r["method"]
+        assert r["lookup"] is (r["method"] == "caddtree+lookup")
+        copied = r["copied_accepted"]
+        if r["lookup"]:
+            assert len(copied) == r["rounds"] and all(
+                0 <= c <= a for c, a in zip(copied, r["accepted"])
+            )
+        else:
+            assert copied is None
+    md = write_report(out, tmp_path / "report")
+    assert "caddtree+lookup" in (tmp_path / "report" / "report.md").read_text() and md
 
 
 def test_bench_sampling_and_bad_input(bench_inputs, tmp_path, capsys):

@@ -57,6 +57,8 @@ def test_generate_json_all_methods_agree(capsys, tiny_pair_dirs, cost_file):
         ("dflash", []),
         ("ddtree", ["--budget", "8"]),
         ("caddtree", ["--cost-model", cost_file]),
+        ("lookup", []),
+        ("caddtree", ["--cost-model", cost_file, "--lookup"]),
     ]:
         out = generate_json(capsys, tiny_pair_dirs, "--method", method, *extra, "hello there")
         assert out["method"] == method
@@ -65,10 +67,19 @@ def test_generate_json_all_methods_agree(capsys, tiny_pair_dirs, cost_file):
         for key in ("tau", "ms_per_token", "rounds", "budget_mean", "budget_std"):
             assert isinstance(stats[key], (int, float)), key
         assert stats["ms_per_token"] > 0 and stats["rounds"] >= 1
+        assert stats["copied_accepted_tokens"] <= stats["accepted_tokens"]
+        if method != "lookup":
+            assert (stats["copied_tokens"] > 0) == ("--lookup" in extra)
         outputs[method] = out["token_ids"]
+    assert outputs["lookup"] == outputs["ar"]
     assert outputs["dflash"] == outputs["ar"]
     assert outputs["ddtree"] == outputs["ar"]
     assert outputs["caddtree"] == outputs["ar"]
+
+
+def test_lookup_is_refused_where_the_method_has_no_tree_to_add_copies_to(generate_argv, capsys):
+    assert main(generate_argv("--method", "dflash", "--lookup", "hi")) == 2
+    assert "--lookup adds copies" in capsys.readouterr().err
 
 
 def test_generate_matches_python_api(capsys, tiny_pair_dirs):
@@ -699,15 +710,13 @@ def test_train_drafter_adds_second_turns_of_its_conversations(
     chats = followups.conversations(
         TrainingData(data.sequences[:10], data.prompt_lengths[:10], data.meta), tokenizer, 4
     )
+    assert len(chats) == len(records)
     for k, (chat, record) in enumerate(zip(chats, records)):
         prompt = tokenizer.decode(data.sequences[10 + k][: data.prompt_lengths[10 + k]])
-        assert (
-            chat[1]["content"] in prompt
-            and prompt.rstrip().endswith(
-                tokenizer.decode(tokenizer(record["query"], add_special_tokens=False)["input_ids"])
-            )
-            or record["query"] in prompt
-        )
+        question, answer, query = chat[0]["content"], chat[1]["content"], record["query"]
+        assert question and answer and query and record["conversation"] == k
+        # the first turn, its answer, then the sampled message, in that order
+        assert prompt.index(question) < prompt.index(answer) < prompt.rindex(query)
     before = (out / "data.safetensors").read_bytes()
     assert main(argv) == 0
     assert (out / "data.safetensors").read_bytes() == before

@@ -45,6 +45,10 @@ POLICIES = [
     ("ddtree", {"budget": 16}),
     ("ddtree", {"budget": 64}),
     *[("caddtree", {"cost_model": m, "max_budget": 48}) for m in cost_models()],
+    # copies from the context: alone, and merged into the drafter's trees
+    ("lookup", {}),
+    ("ddtree", {"budget": 4, "lookup": True}),
+    *[("caddtree", {"cost_model": m, "max_budget": 48, "lookup": True}) for m in cost_models()],
 ]
 
 
@@ -141,7 +145,7 @@ def test_max_new_tokens_boundary(qwen3, max_new_tokens, verifier_type):
             assert deepest <= max_new_tokens - produced - 1, (method, kwargs, produced)
             produced += r.committed
         assert produced == len(reference)
-        if method != "ar" and max_new_tokens >= 7:
+        if method not in ("ar", "lookup") and max_new_tokens >= 7:
             # the check has teeth: somewhere a tree was cut short by the limit, not by the policy
             assert any(len(t) for t, _ in trees)
 
@@ -163,21 +167,31 @@ def test_acceptance_is_not_cut_short(qwen3, verifier_type):
         assert result.stats.tau == block
 
 
-def test_sampling_is_lossless(verifier_type):
+@pytest.mark.parametrize(
+    ("policy", "prompt", "least"),
+    [
+        (("ddtree", {}), [5, 17, 3], 300),
+        # a prompt whose likely continuation (13, 24) the context already holds after 5 17 3
+        (("lookup", {}), [5, 17, 3, 13, 24, 13, 5, 17, 3], 300),
+        (("ddtree", {"lookup": True}), [5, 17, 3, 13, 24, 13, 5, 17, 3], 300),
+    ],
+    ids=["ddtree", "lookup", "ddtree-lookup"],
+)
+def test_sampling_is_lossless(verifier_type, policy, prompt, least):
     """At temperature 1 the first three generated tokens are distributed as the target's.
 
     The first token comes from the prefill; the second and third come from walking a DDTree built
-    from the target's own marginals, so most samples are accepted deep in the tree. Each token's
-    marginal is compared with the exact one by a chi-square test at alpha = 1e-3 (three tests: a
-    false-failure rate below 0.3% for a random seed; the seed is fixed, so the outcome is too).
+    from the target's own marginals (copies from the context merged in, or copies alone), so many
+    samples are accepted deep in the tree. Each token's marginal is compared with the exact one by
+    a chi-square test at alpha = 1e-3 (three tests: a false-failure rate below 0.3% for a random
+    seed; the seed is fixed, so the outcome is too).
     """
     # random tiny models predict nearly the same distribution in every context; a sharper lm_head
     # makes the target's choices depend on the context, so sampling from a wrong row would show.
     qwen3 = sharp_qwen3()
-    prompt = [5, 17, 3]
     n = 1200
-    counts, accepted = ddtree_first_tokens(qwen3, prompt, n, verifier_type, seed=1000)
-    assert accepted > n // 4  # the tree walk is really exercised
+    counts, accepted = ddtree_first_tokens(qwen3, prompt, n, verifier_type, 1000, policy)
+    assert accepted > least  # the tree walk is really exercised
 
     with torch.no_grad():
         p1 = torch.softmax(qwen3(torch.tensor([prompt])).logits[0, -1], -1)
@@ -209,6 +223,9 @@ def test_sampler_top_p_keeps_the_nucleus():
         ({"method": "ddtree", "budget": 0}, "positive integer"),
         ({"method": "dflash", "budget": 8}, "only applies"),
         ({"method": "caddtree"}, "needs a cost model"),
+        ({"method": "dflash", "lookup": True}, "lookup adds copies .* not of 'dflash'"),
+        ({"method": "ar", "lookup": True}, "method 'lookup' for copies alone"),
+        ({"method": "lookup", "budget": 4}, "only applies"),
     ],
 )
 def test_policy_errors(kwargs, message):
@@ -290,3 +307,23 @@ def test_a_raised_context_window_lets_generation_run_past_the_models_window(capl
     for bad in (0, 1, 2.5, "64"):
         with pytest.raises(InvalidInputError, match="context_window"):
             gen.set_context_window(bad)
+
+
+def test_copies_from_the_context_are_accepted_and_counted(qwen3, drafter):
+    """On an output that repeats itself, copied nodes are accepted (lookup alone, and merged into
+    CaDDTree's trees), and the statistics count them within the accepted tokens."""
+    prompt = PROMPTS[0]
+    reference = hf_generate(qwen3, prompt, 40, do_sample=False)
+    for method, kwargs in [("lookup", {}), ("caddtree", {"cost_model": cost_models()[0]})]:
+        result = run(
+            qwen3, prompt, method, {**kwargs, "lookup": True}, DFlashProposer(drafter, qwen3), 40
+        )
+        stats = result.stats
+        assert result.token_ids == reference
+        assert 0 < stats.copied_accepted_tokens <= stats.accepted_tokens
+        assert stats.copied_accepted_tokens <= stats.copied_tokens
+        total = sum(r.committed for r in stats.per_round)
+        assert stats.copied_share == pytest.approx(stats.copied_accepted_tokens / total)
+        assert all(r.copied_accepted <= min(r.accepted, r.copied) for r in stats.per_round)
+        if method == "lookup":
+            assert stats.tau > 1 and stats.accepted_tokens == stats.copied_accepted_tokens

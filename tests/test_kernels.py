@@ -417,3 +417,23 @@ def test_a_tree_row_attends_as_the_same_token_does_after_its_ancestors(context):
                 dim**-0.5,
             )
             assert torch.equal(plain, tree[i : i + 1]), (seed, i)
+
+
+def test_the_argmax_kernel_is_taken_only_after_its_probe(monkeypatch):
+    """A build whose argmax kernel fails its probe leaves greedy choices to torch, although the
+    op is registered."""
+    from caddtree.core import sampling
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)).bfloat16()
+    kernels.kernel_available()
+    registered = sampling._ARGMAX_KERNEL
+    monkeypatch.setattr(kernels, "_probe_argmax", lambda: False)
+    kernels.kernel_available.cache_clear()
+    sampling.use_argmax_kernel(None)
+    try:
+        kernels.kernel_available()
+        assert sampling.argmax_rows(logits) is None
+        assert torch.equal(sampling.greedy_choices(logits), torch.argmax(logits.float(), -1))
+    finally:
+        kernels.kernel_available.cache_clear()
+        sampling.use_argmax_kernel(registered)

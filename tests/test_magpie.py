@@ -214,7 +214,12 @@ def test_followups_continue_conversations_and_resume(tok, tmp_path):
     import torch
 
     from caddtree.train.data import TrainingData, chat_prompt_ids
-    from caddtree.train.followups import conversations, followup_prompts, generate_followups
+    from caddtree.train.followups import (
+        conversation_digest,
+        conversations,
+        followup_prompts,
+        generate_followups,
+    )
 
     stop = 1
     seqs, lengths = [], []
@@ -225,6 +230,9 @@ def test_followups_continue_conversations_and_resume(tok, tmp_path):
         answer = tok(f"answer number {i}", add_special_tokens=False)["input_ids"]
         seqs.append(torch.tensor(prompt + answer + ([stop] if finished else [])))
         lengths.append(len(prompt))
+    system_only = chat_prompt_ids(tok, [{"role": "system", "content": "no user message here"}])
+    seqs.insert(1, torch.tensor(system_only + [5, 6, stop]))  # one turn, no user message found
+    lengths.insert(1, len(system_only))
     data = TrainingData(seqs, lengths, {"stops": [stop]})
     chats = conversations(data, tok, 3)
     assert [c[1]["content"] for c in chats] == [
@@ -232,6 +240,7 @@ def test_followups_continue_conversations_and_resume(tok, tmp_path):
         "answer number 2",
         "answer number 3",
     ]
+    assert [c[0]["content"] for c in chats] == ["hello there", "tell me more", "and so"]
     assert all([m["role"] for m in c] == ["user", "assistant"] for c in chats)
 
     target = qwen3_target()
@@ -241,6 +250,10 @@ def test_followups_continue_conversations_and_resume(tok, tmp_path):
     assert grown[:2] == first and [r["conversation"] for r in grown] == [0, 1, 2]
     again = generate_followups(target, tok, chats, tmp_path / "f.jsonl", **kwargs)
     assert again == grown  # nothing left to sample
+    changed = [chats[0], [chats[1][0], {"role": "assistant", "content": "another answer"}]]
+    redone = generate_followups(target, tok, changed, tmp_path / "f.jsonl", **kwargs)
+    assert redone[0] == grown[0] and len(redone) == 2  # sampled again from the changed one on
+    assert redone[1]["digest"] == conversation_digest(changed[1]) != grown[1]["digest"]
     questions = [
         "Could you show the same idea with a worked example?",
         "Why does that happen, and is there another way?",

@@ -290,6 +290,12 @@ def test_malformed_sampling_arguments_are_refused(gen, kwargs, message):
         gen.generate(PROMPT, method="ar", max_new_tokens=2, **{"temperature": 1.0, **kwargs})
 
 
+def test_an_unknown_setting_is_a_type_error_as_for_any_keyword(gen):
+    for call in (gen.generate, gen.request):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'.*top_p"):
+            call(PROMPT, method="ar", max_new_tokens=2, temprature=0.5)
+
+
 def test_stop_token_ids_may_be_any_iterable_of_ids(gen, greedy):
     for stops in ({greedy[2]}, (t for t in [greedy[2]]), torch.tensor([greedy[2]])):
         out = gen.generate(PROMPT, method="dflash", max_new_tokens=10, stop_token_ids=stops)

@@ -283,6 +283,45 @@ def test_sampling_extras_and_stop_strings(served, reference):
 # ---- the other endpoints -------------------------------------------------------------------------------
 
 
+def test_a_request_may_take_copies_from_its_context(served):
+    """``lookup``: copies from the context join a caddtree request's trees (the same text at
+    temperature 0), counted in the response's statistics and in /metrics; ``method: lookup``
+    decodes with copies alone; a lookup the method cannot take is a 400 naming the field."""
+    c = client(served)
+    messages = [{"role": "user", "content": "ab ab ab"}]
+    texts, stats = [], []
+    before = metrics(served)
+    for extra in ({}, {"lookup": True}, {"method": "lookup", "lookup": False}):
+        resp = c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            extra_body={"method": "caddtree", "ignore_eos": True, **extra},
+        )
+        texts.append(resp.choices[0].message.content)
+        stats.append(resp.model_extra["caddtree"])
+    after = metrics(served)
+    assert texts[1] == texts[0] == texts[2]
+    assert stats[0]["copied_tokens"] == 0 and stats[1]["copied_accepted_tokens"] > 0
+    assert stats[2]["method"] == "lookup" and stats[2]["tau"] > 1
+    copied = sum(s["copied_accepted_tokens"] for s in stats)
+    moved = [
+        after[f'caddtree:copied_accepted_tokens_total{{method="{m}"}}']
+        - before.get(f'caddtree:copied_accepted_tokens_total{{method="{m}"}}', 0.0)
+        for m in ("caddtree", "lookup")
+    ]
+    assert sum(moved) == copied
+    for extra, message in (
+        ({"method": "dflash", "lookup": True}, "not of 'dflash'"),
+        ({"method": "caddtree", "lookup": "yes"}, "lookup must be true or false"),
+    ):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
+        status, _, answer = post(served, "/v1/chat/completions", json.dumps(body))
+        assert status == 400 and answer["error"]["param"] == "lookup"
+        assert message in answer["error"]["message"]
+
+
 def test_models_health_and_metrics(served):
     c = client(served)
     models = c.models.list()

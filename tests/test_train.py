@@ -198,6 +198,25 @@ def test_training_data_is_kept_as_uint16_and_read_from_its_xz_copy(tmp_path):
         TrainingData.load(tmp_path / "none.safetensors")
 
 
+def test_the_newer_of_a_plain_file_and_its_xz_is_read_and_a_damaged_xz_is_named(tmp_path, caplog):
+    import os
+
+    from caddtree.util.errors import CaddtreeError
+    from caddtree.util.files import read_packed, write_packed
+
+    plain, packed = tmp_path / "raw.jsonl", tmp_path / "raw.jsonl.xz"
+    write_packed(packed, b"new\n")
+    plain.write_bytes(b"stale\n")
+    os.utime(plain, (1, 1))  # older than the .xz copied in beside it
+    assert read_packed(plain) == b"new\n" and "reading the newer" in caplog.text
+    plain.write_bytes(b"grown\n")  # the run's plain file grew after the .xz
+    assert read_packed(plain) == b"grown\n"
+    plain.unlink()
+    packed.write_bytes(packed.read_bytes()[:-8])  # cut short
+    with pytest.raises(CaddtreeError, match="raw.jsonl.xz is not a complete xz file"):
+        read_packed(plain)
+
+
 def test_prepare_data_resumes_and_checks_fingerprint(target, tmp_path):
     tok = tiny_tokenizer(MASK_TOKEN_ID)
     prompts = ["hello", "what is 2 + 2?", "tell me a story", "abc", "zz"]
@@ -232,6 +251,34 @@ def test_prepare_data_resumes_and_checks_fingerprint(target, tmp_path):
     assert [(r["first"], r["end"]) for r in ranges][-1] == (3, 5)
     with pytest.raises(ValueError, match="other prompts"):
         prepare_data(target, tok, prompts[::-1], path, max_new_tokens=6, progress=False)
+
+
+def test_samples_no_range_records_get_a_range_of_their_own():
+    from caddtree.train.data import record_provenance
+
+    seqs = [torch.tensor([1, 2, 3, 4][: i + 2]) for i in range(3)]
+    made = {"first": 0, "end": 1, "generator": "hf", "batch_size": 8, "seconds": 2.0}
+    done = TrainingData(seqs, [1, 1, 1], {"generators": [dict(made, response_tokens=1)]})
+    chunk = TrainingData([torch.tensor([5, 6, 7])], [1], {"generator": "engine"})
+    record_provenance(done, chunk, 1.5, 16)
+    assert done.meta["generators"] == [
+        dict(made, response_tokens=1),
+        {"first": 1, "end": 3, "generator": None, "response_tokens": 5},  # 2 + 3 tokens
+        {
+            "first": 3,
+            "end": 4,
+            "generator": "engine",
+            "batch_size": 16,
+            "seconds": 1.5,
+            "response_tokens": 2,
+        },
+    ]
+    unrecorded = TrainingData(seqs[:2], [1, 1], {})
+    record_provenance(unrecorded, chunk, 1.0, 16)
+    assert [(r["first"], r["end"], r["generator"]) for r in unrecorded.meta["generators"]] == [
+        (0, 2, None),
+        (2, 3, "engine"),
+    ]
 
 
 def test_sigterm_saves_a_checkpoint_like_ctrl_c(target, data, tmp_path):
@@ -686,7 +733,8 @@ def test_device_anchors_are_distinct_sorted_response_positions(target, data):
     assert ordered == [0, 2, 4, 5, 3, 1]
     chosen = length_buckets(ordered, torch.tensor([0.0, 0.1, 0.9]), 3)
     assert chosen == [0, 0, 4]  # the first picks the place, the others in its bucket of 3
-    assert length_buckets(ordered, torch.tensor([0.9, 0.0, 0.99]), 4) == [1, 3, 1]  # a bucket of 2
+    # windows of 4: the last 2 join the first bucket, so one step may take any of the 6
+    assert length_buckets(ordered, torch.tensor([0.9, 0.0, 0.99]), 4) == [1, 0, 1]
 
 
 def test_length_buckets_draw_every_sample_equally_often():
@@ -702,6 +750,12 @@ def test_length_buckets_draw_every_sample_equally_often():
     # each count is near binomial: within 5 standard deviations, and no trend with the length
     assert (counts - expected).abs().max() < 5 * expected**0.5
     assert abs(counts[:window].mean() - counts[-window:].mean()) < 0.05 * expected
+    # no step draws from a bucket smaller than the window: 50 = 5 buckets of 8, then one of 10
+    ordered = list(range(n))
+    for place in (0.0, 0.79, 0.8, 0.999):
+        picks = torch.tensor([place] + [i / 16 for i in range(16)])
+        spread = set(length_buckets(ordered, picks, window)[1:])
+        assert len(spread) == (8 if place < 0.8 else 10)
 
 
 def test_a_compiled_forward_gives_the_eager_loss_and_gradients(target, data):

@@ -101,8 +101,8 @@ def test_the_first_steps_set_a_cautious_pace_and_a_faster_one_raises_the_end(mon
     log: list[dict] = []
     steps.run_steps(loop, log, 0, 1000, progress=False)
     totals = [e["schedule_steps"] for e in log]
-    assert totals[0] == 1000  # the first step, before any pace is known
-    assert min(totals[1:]) < max(totals[1:])  # raised as the pace got faster
+    assert totals[:2] == [1000, 1000]  # the warm-up steps set no pace
+    assert min(totals[2:]) < max(totals[2:])  # raised as the pace got faster
     assert clock.now <= 100.0 and clock.now + 1.0 > 100.0  # no room for another step
     # a run that fits keeps its schedule
     (tmp_path / "b").mkdir()
@@ -142,9 +142,81 @@ def test_limits_before_and_after_the_pace_is_known(monkeypatch):
     assert steps.Clock(None).limits(3, 50, 100) == (50, 100)
     timer = steps.Clock(10.0)
     assert timer.limits(3, 50, 100) == (4, 100)  # one step at a time, the schedule as asked
-    timer.step_s = 2.0
+    timer.observe(30.0)  # the warm-up step: no pace yet, however slow
+    assert timer.limits(3, 50, 100) == (4, 100)
+    timer.observe(None)  # nothing read back
+    assert timer.windows == 1
+    timer.observe(2.0)
     assert timer.limits(3, 50, 100) == (8, 8)
     timer.reserve["save"] = 4.0
     assert timer.limits(3, 50, 100) == (6, 6)
     clock.now = 11.0
     assert timer.limits(3, 50, 100) == (3, 4)
+
+
+def test_a_slow_first_step_does_not_end_the_call(monkeypatch, tmp_path):
+    # the first step takes longer than the time left after it; at the real pace 10 more fit
+    cost = lambda step: 50.0 if step == 0 else 1.0  # noqa: E731
+    loop, clock, saves = fake_loop(monkeypatch, tmp_path, step_s=cost, deadline=60.0)
+    log: list[dict] = []
+    steps.run_steps(loop, log, 0, 1000, progress=False)
+    assert len(log) == 11 and clock.now == 60.0 and saves == [1, 11]
+
+
+def pending_with_entries(tmp_path, count=3):
+    log: list[dict] = []
+    bar = SimpleNamespace(set_postfix=lambda **kw: None, update=lambda n: None)
+    pending = steps._Pending(log, tmp_path / "log.jsonl", bar)
+    for step in range(1, count + 1):
+        pending.add({"step": step, "loss": torch.tensor(0.5), "train_accept": torch.tensor(0.25)})
+    return pending, log
+
+
+def test_an_interrupt_during_the_write_waits_for_both_copies(monkeypatch, tmp_path):
+    import os
+    import signal
+
+    pending, log = pending_with_entries(tmp_path)
+    pending.read_back()
+    real_dumps = steps.json.dumps
+    sent: list[int] = []
+
+    def dumps_then_interrupt(entry):
+        if not sent:  # the interrupt arrives in the middle of the write
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_dumps(entry)
+
+    monkeypatch.setattr(steps.json, "dumps", dumps_then_interrupt)
+    # a shell's background job starts with SIGINT ignored; give this test Python's own handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pending.write({"eval_accept": 0.5})
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert sent and [e["step"] for e in log] == [1, 2, 3] and file_log(tmp_path) == log
+    pending.write({})  # nothing is left to write twice
+    assert file_log(tmp_path) == log
+
+
+def test_a_failed_write_is_not_written_twice(monkeypatch, tmp_path):
+    pending, log = pending_with_entries(tmp_path)
+    pending.read_back()
+    pending.read_back()  # nothing pending: reads nothing twice
+    assert len(pending.read) == 3
+    real_open = open
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    with pytest.raises(OSError):
+        pending.write({})
+    monkeypatch.setattr("builtins.open", real_open)
+    assert log == [] and pending.read == []
+    pending.add({"step": 4, "loss": torch.tensor(0.5), "train_accept": torch.tensor(0.25)})
+    pending.read_back()
+    pending.write({})
+    assert [e["step"] for e in log] == [4] and file_log(tmp_path) == log

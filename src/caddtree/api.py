@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import profiles
+from .core.copies import CopyRates
 from .core.cost import CostModel, load_cost_model
 from .core.tree import DraftTree
 from .engine.decoding import GenerationResult, RoundStats, TreePolicy, decode, make_policy
@@ -32,8 +34,9 @@ from .engine.requests import (
     encode_prompt,
 )
 from .engine.tokens import chat_template_ids, eos_token_ids, stop_string_criterion
-from .loading import build_runtime, context_window, load_pair, release_caches
+from .loading import build_runtime, checked_context_window, load_pair, release_caches
 from .util.checks import check_int, check_runtime, check_tree_budgets
+from .util.devices import dtype_name
 from .util.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -61,7 +64,7 @@ def _as_cost_model(value: CostModel | str | os.PathLike[str] | None) -> CostMode
 
 class SpeculativeGenerator:
     """A target model, its tokenizer and (optionally) a DFlash drafter, ready to generate with any
-    method (:data:`caddtree.util.checks.METHODS`; all but ``ar`` need a drafter), losslessly: the
+    method (:data:`caddtree.util.checks.METHODS`; ``ar`` and ``lookup`` need no drafter), losslessly: the
     output is plain greedy decoding's at temperature 0, and the target's distribution above.
     ``runtime`` (:func:`caddtree.loading.runtime_choice`; ``self.runtime`` says which ran):
     ``"auto"`` is caddtree's own forward (:mod:`caddtree.runtime`) on the CPU where it runs the
@@ -87,16 +90,17 @@ class SpeculativeGenerator:
         self.proposer, self.verifier, self.packed_layers = parts
         self.runtime = self.verifier.runtime
         lean = getattr(self.verifier, "target", None)
-        self.weight_format = getattr(lean, "weight_format", str(self.verifier.dtype)[6:])
+        self.weight_format = getattr(lean, "weight_format", dtype_name(self.verifier.dtype))
         if context_window is not None:
             self.set_context_window(context_window)
         self.cost_model = _as_cost_model(cost_model)
+        self.copy_rates = CopyRates()  # copies' acceptance, pooled over this generator's calls
 
     def set_context_window(self, positions: int) -> None:
         """Let a generation's prompt and output together hold up to ``positions`` tokens (default:
         the model's ``max_position_embeddings``); positions past the trained ones are
         extrapolated, with a warning (:func:`caddtree.loading.context_window`)."""
-        self.verifier.max_positions = context_window(self.target, positions)
+        self.verifier.max_positions = checked_context_window(self.target, positions)
 
     @classmethod
     def from_pretrained(
@@ -168,39 +172,37 @@ class SpeculativeGenerator:
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         max_budget: int = 1024,
         profile: bool = False,
+        lookup: bool = False,
     ) -> TreePolicy:
         """The tree policy of ``method`` with its budgets checked against the drafter's block.
         CaDDTree's cost model is ``cost_model`` (a model or a file), else this generator's; with
-        ``profile``, one is loaded from the cache or profiled when neither is set."""
+        ``profile``, one is loaded from the cache or profiled when neither is set. ``lookup``:
+        copies from the context join the trees (:func:`caddtree.engine.decoding.make_policy`)."""
         given = _as_cost_model(cost_model)  # a file is read (and checked) whatever the method
         cost = (given or self.cost_model) if method == "caddtree" else None
         if method == "caddtree" and cost is None and profile:
             cost = self.cost_model = self.cached_cost_model()
         block = draft_block(self.proposer, self._vocab())
         max_budget = check_tree_budgets(method, budget, max_budget, **block)
-        return make_policy(method, budget=budget, cost_model=cost, max_budget=max_budget)
+        limits = dict(budget=budget, cost_model=cost, max_budget=max_budget, lookup=lookup)
+        return make_policy(method, **limits)
 
     def request(
         self, prompt: Prompt, method: str = "caddtree", **settings: Any
     ) -> GenerationRequest:
         """The checked request of :meth:`generate`'s arguments (:class:`RequestSettings`), for
         :meth:`generate` or a :class:`~caddtree.engine.batching.BatchDecoder`."""
-        s = RequestSettings.of(settings)
-        policy = self.policy(
-            method, budget=s.budget, cost_model=s.cost_model, max_budget=s.max_budget
-        )
+        s = RequestSettings.of(settings, caller=f"{type(self).__name__}.request")
+        limits = dict(budget=s.budget, cost_model=s.cost_model, max_budget=s.max_budget)
+        policy = self.policy(method, lookup=s.lookup, **limits)
         if policy.needs_drafter and self.proposer is None:
             raise InvalidInputError(
                 f"method {method!r} needs a DFlash drafter; load one (draft=...) or use method='ar'"
             )
+        encode = partial(self.encode, prompt, s.chat, s.chat_template_kwargs)
+        model = dict(tokenizer=self.tokenizer, vocab=self._vocab(), device=self.verifier.device)
         return build_request(
-            policy,
-            s,
-            lambda: self.encode(prompt, chat=s.chat, chat_template_kwargs=s.chat_template_kwargs),
-            tokenizer=self.tokenizer,
-            vocab=self._vocab(),
-            device=self.verifier.device,
-            default_stops=self.default_stop_token_ids(),
+            policy, s, encode, default_stops=self.default_stop_token_ids(), **model
         )
 
     def _vocab(self) -> int:
@@ -235,6 +237,7 @@ class SpeculativeGenerator:
         """:func:`caddtree.engine.decoding.decode` of ``prompt_ids`` on this generator's target and
         drafter (keyword arguments as there), without text; the caches are let go afterwards
         (:func:`caddtree.loading.release_caches`)."""
+        kwargs.setdefault("copy_rates", self.copy_rates)
         try:
             return decode(self.verifier, prompt_ids, policy, proposer=self.proposer, **kwargs)
         finally:

@@ -17,7 +17,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from .util.checks import DEFAULT_DDTREE_BUDGET, METHODS, RUNTIMES
+from .util.checks import DEFAULT_DDTREE_BUDGET, DRAFTLESS_METHODS, METHODS, RUNTIMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import SpeculativeGenerator
@@ -127,6 +127,18 @@ def add_method_arguments(parser: Any, *, per_request: bool = False) -> None:
         help=f"cost-model file (JSON or published .pt) {cost_help}; default: profile this "
         "machine once and cache the result",
     )
+    lookup_help = (
+        "copies from the context join the trees of ddtree and caddtree (prompt-lookup decoding "
+        "alone: --method lookup)"
+    )
+    if per_request:
+        lookup_help += "; for requests that give no 'lookup' field"
+    parser.add_argument(
+        "--lookup",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=f"{lookup_help} (default: --no-lookup)",
+    )
 
 
 def check_pair_arguments(args: argparse.Namespace) -> None:
@@ -141,7 +153,7 @@ def check_pair_arguments(args: argparse.Namespace) -> None:
     from .util.devices import resolve_dtype
     from .util.errors import InvalidInputError
 
-    if args.target is not None and args.method != "ar" and args.draft is None:
+    if args.target is not None and args.method not in DRAFTLESS_METHODS and args.draft is None:
         raise InvalidInputError(
             f"--method {args.method} needs --draft (a DFlash checkpoint); or use --method ar"
         )

@@ -61,7 +61,7 @@ from .core.cost import CostModel
 from .core.sampling import Sampler
 from .engine.decoding import GenerationStats
 from .models.target import CACHE_ARGUMENTS
-from .util.checks import DEFAULT_DDTREE_BUDGET, check_method, check_stop
+from .util.checks import DEFAULT_DDTREE_BUDGET, DRAFTLESS_METHODS, check_method, check_stop
 from .util.errors import InvalidInputError
 
 __all__ = ["DEFAULT_DDTREE_BUDGET", "CaddtreeGenerateOutput", "generate"]
@@ -367,7 +367,7 @@ def _check_method_and_stops(
     """Check ``method`` (and that it has the drafter it needs) and the stop strings (and that
     there is a tokenizer for them); returns the stop strings as a list."""
     check_method(method)
-    if method != "ar" and drafter is None:
+    if method not in DRAFTLESS_METHODS and drafter is None:
         raise InvalidInputError(
             f"method {method!r} needs a DFlash drafter: pass assistant_model=drafter (a "
             "caddtree.DFlashDraftModel) to generate, or use method='ar'"

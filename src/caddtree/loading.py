@@ -22,7 +22,7 @@ from .util.errors import CheckpointError, InvalidInputError
 __all__ = [
     "LoadedPair",
     "build_runtime",
-    "context_window",
+    "checked_context_window",
     "load_pair",
     "make_verifier",
     "packed_layer_count",
@@ -107,7 +107,7 @@ def build_runtime(
     return proposer, verifier, packed_layer_count(target, verifier, proposer, pack)
 
 
-def context_window(target: Any, positions: int) -> int:
+def checked_context_window(target: Any, positions: int) -> int:
     """``positions`` checked as a context window for ``target``, with a warning where it is past
     the positions the model was trained for (they are extrapolated by its position encoding, as
     plain decoding would; text there may degrade)."""

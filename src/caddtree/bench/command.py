@@ -5,6 +5,7 @@ the benchmark (:func:`caddtree.bench.runner.run_bench`) and prints the summary t
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,17 @@ def add_arguments(p: Any) -> None:
         nargs="+",
         help="ar, ar-DTYPE (plain decoding with a copy of the target in DTYPE: float32, "
         "bfloat16, float16, float64), dflash, ddtree (every --budgets), ddtree-B, caddtree, "
-        "caddtree-VARIANT. Default: ar dflash ddtree caddtree, and on a CPU the AR baseline in "
-        "the other of float32/bfloat16 (ar-float32 for a bfloat16 run); speed-ups are against "
-        "the fastest AR",
+        "caddtree-VARIANT, lookup (prompt-lookup decoding); a ddtree or caddtree name ending in "
+        "+lookup takes copies from the context into its trees. Default: ar dflash ddtree "
+        "caddtree, and on a CPU the AR baseline in the other of float32/bfloat16 (ar-float32 for "
+        "a bfloat16 run); speed-ups are against the fastest AR",
+    )
+    p.add_argument(
+        "--lookup",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="every ddtree and caddtree method takes copies from the context into its trees "
+        "(labelled +lookup; default: --no-lookup)",
     )
     p.add_argument(
         "--budgets",
@@ -106,7 +115,7 @@ def cli_main(args: Any) -> int:
 
     check_int("--max-samples", args.max_samples, allow_none=True)
     methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
-    specs = parse_methods(methods, args.budgets, args.ablations)
+    specs = parse_methods(methods, args.budgets, args.ablations, args.lookup)
     _check_model_options(args, specs)  # cheap checks before any data or model
     resolve_dtype(args.dtype, torch.device("cpu"))
     config = BenchConfig(
@@ -122,7 +131,7 @@ def cli_main(args: Any) -> int:
     config.validate()
 
     info = init_distributed(args.device)
-    needs_draft = any(s.family != "ar" for s in specs)
+    needs_draft = any(s.family not in ("ar", "lookup") for s in specs)
     gen, ar_gens = _load_generators(args, methods, config, info, needs_draft)
     cost = _bench_cost_model(args, gen, config.methods, info)
     records = run_bench(
@@ -148,7 +157,8 @@ def _check_model_options(args: Any, specs: list[MethodSpec]) -> None:
     """Reject a --target/--draft combination the methods cannot run with."""
     if args.target is None and args.draft is not None:
         raise InvalidInputError("--draft needs --target (the model the drafter was trained for)")
-    if args.target is not None and args.draft is None and any(s.family != "ar" for s in specs):
+    drafting = any(s.family not in ("ar", "lookup") for s in specs)
+    if args.target is not None and args.draft is None and drafting:
         raise InvalidInputError("drafting methods need --draft (a DFlash checkpoint)")
 
 

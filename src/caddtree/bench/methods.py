@@ -9,7 +9,8 @@ The label names themselves (:data:`~caddtree.bench.results.AR_DTYPES`,
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from ..util.errors import InvalidInputError
@@ -44,6 +45,7 @@ class MethodSpec:
     budget: int | None = None
     variant: str | None = None
     dtype: str | None = None
+    lookup: bool = False  # copies from the context join the trees (``<label>+lookup``)
 
     @property
     def needs_cost_model(self) -> bool:
@@ -54,18 +56,23 @@ def parse_methods(
     methods: Iterable[str],
     budgets: Sequence[int] = DEFAULT_BUDGETS,
     ablations: bool = False,
+    lookup: bool = False,
 ) -> list[MethodSpec]:
     """Method specs from names: ``ar``, ``ar-<dtype>`` (plain decoding of a copy of the target in
     that dtype, see :data:`AR_DTYPES`; ``ar-fp32`` is labelled ``ar-float32``), ``dflash``,
-    ``ddtree`` (one per budget in ``budgets``), ``ddtree-<B>``, ``caddtree`` and
-    ``caddtree-<variant>`` (see :data:`ABLATIONS`). ``ablations=True`` adds every CaDDTree
+    ``ddtree`` (one per budget in ``budgets``), ``ddtree-<B>``, ``caddtree``,
+    ``caddtree-<variant>`` (see :data:`ABLATIONS`) and ``lookup`` (prompt-lookup decoding); a
+    DDTree or CaDDTree name ending in ``+lookup`` takes copies from the context into its trees,
+    and ``lookup=True`` makes every one of them do so. ``ablations=True`` adds every CaDDTree
     variant. AR comes first (``ar`` itself, then the other dtypes), duplicates are dropped."""
     for b in budgets:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise InvalidInputError(f"DDTree budgets must be positive integers, got {b!r}")
     specs: dict[str, MethodSpec] = {}
 
-    def add(spec: MethodSpec) -> None:
+    def add_spec(spec: MethodSpec, copies: bool = False) -> None:
+        if (copies or lookup) and spec.family in ("ddtree", "caddtree"):
+            spec = replace(spec, label=f"{spec.label}+lookup", lookup=True)
         specs.setdefault(spec.label, spec)
 
     names = list(methods)
@@ -75,7 +82,11 @@ def parse_methods(
         raise InvalidInputError("no methods to benchmark")
     for name in names:
         key = str(name).strip().lower()
-        if key in ("ar", "dflash", "caddtree"):
+        base = key.removesuffix("+lookup")
+        copies = base != key and base.split("-")[0] in ("ddtree", "caddtree")
+        key = base if copies else key
+        add = partial(add_spec, copies=copies)
+        if key in ("ar", "dflash", "caddtree", "lookup"):
             add(MethodSpec(key, key))
         elif key.startswith("ar-") and key[3:] in AR_DTYPES:
             dtype = AR_DTYPES[key[3:]]
@@ -91,7 +102,8 @@ def parse_methods(
             raise InvalidInputError(
                 f"unknown method {name!r}; use ar, ar-<dtype> (a dtype in "
                 f"{', '.join(sorted(set(AR_DTYPES.values())))}), dflash, ddtree, ddtree-<budget>, "
-                f"caddtree or caddtree-<variant> with a variant in {', '.join(ABLATIONS)}"
+                f"caddtree, caddtree-<variant> with a variant in {', '.join(ABLATIONS)}, or "
+                "lookup; a ddtree or caddtree name may end in +lookup"
             )
     return sorted(specs.values(), key=lambda s: (s.family != "ar", s.label != "ar"))
 

@@ -180,10 +180,11 @@ REQUIRED_KEYS = (
     "committed",
 )
 """Keys every results record must have (others, such as ``wall_s`` or ``prompt_id``, may be there).
-``confidence`` and ``paths`` are optional: only Fig. 1 needs them."""
+``confidence`` and ``paths`` are optional: only Fig. 1 needs them; ``copied_accepted`` (accepted
+nodes copied from the context, per round) is there for methods with lookup."""
 
 PER_ROUND_KEYS = ("budgets", "accepted", "committed")
-OPTIONAL_PER_ROUND_KEYS = ("context_lengths", "confidence", "paths")
+OPTIONAL_PER_ROUND_KEYS = ("context_lengths", "confidence", "paths", "copied_accepted")
 
 TREE_KEYS = ("dataset", "prompt_index", "method", "temperature", "round", "budget", "parents")
 
@@ -360,6 +361,7 @@ def make_record(
         "family": spec.family,
         "budget": spec.budget,
         "variant": spec.variant,
+        "lookup": spec.lookup,
         "dtype": dtype,
         "temperature": float(temperature),
         "turns": out.turns,
@@ -371,6 +373,7 @@ def make_record(
         "tau": sum(committed) / len(committed) if committed else None,
         "budgets": [r.budget for r in rounds],
         "accepted": [r.accepted for r in rounds],
+        "copied_accepted": [r.copied_accepted for r in rounds] if spec.lookup else None,
         "committed": committed,
         "context_lengths": [r.context_length for r in rounds],
         "confidence": [None if math.isnan(r.confidence) else r.confidence for r in rounds],

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..util.checks import check_int
+from ..util.checks import DRAFTLESS_METHODS, check_int
 from ..util.errors import InvalidInputError
 from ..util.files import atomic_write_text
 from .methods import MethodSpec, variant_cost_model
@@ -238,6 +238,7 @@ def _run_prompt(
             prompt_ids,
             method=spec.family,
             budget=spec.budget,
+            lookup=spec.lookup,
             cost_model=cost_model if spec.needs_cost_model else None,
             max_budget=config.max_budget,
             temperature=temperature,
@@ -356,7 +357,7 @@ def run_bench(
     needs_cost = any(s.needs_cost_model for s in config.methods)
     if needs_cost and cost_model is None:
         raise InvalidInputError("CaDDTree methods need a cost model")
-    if any(s.family != "ar" for s in config.methods) and gen.proposer is None:
+    if any(s.family not in DRAFTLESS_METHODS for s in config.methods) and gen.proposer is None:
         raise InvalidInputError("drafting methods need a drafter; load the generator with one")
     costs = {s.label: variant_cost_model(cost_model, s.variant) for s in config.methods}
     setup = _Setup(config, gen, gens, costs)

@@ -10,6 +10,7 @@ from typing import Any
 from ..arguments import add_method_arguments, add_pair_arguments, check_pair_arguments, load_pair_of
 from ..util.checks import (
     DEFAULT_DDTREE_BUDGET,
+    DRAFTLESS_METHODS,
     check_chat_template_kwargs,
     check_int,
     check_sampling,
@@ -65,6 +66,11 @@ def _checked_settings(args: argparse.Namespace) -> tuple[int, Any, dict | None]:
         raise InvalidInputError("--budget only applies to --method ddtree")
     if args.method == "ddtree" and args.budget is None:
         args.budget = DEFAULT_DDTREE_BUDGET
+    if args.lookup and args.method not in ("ddtree", "caddtree"):
+        raise InvalidInputError(
+            "--lookup adds copies from the context to the trees of --method ddtree and caddtree "
+            "(--method lookup decodes with copies alone)"
+        )
     check_text(args.prompt)
     check_tree_budgets(
         args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
@@ -130,7 +136,8 @@ def generate(args: argparse.Namespace) -> int:
     from ..util.streaming import IncrementalDecoder
 
     repeats, ar_dtypes, template_kwargs = _checked_settings(args)
-    gen = load_pair_of(args, with_drafter=args.method != "ar" or args.compare_ar)
+    drafting = args.method not in DRAFTLESS_METHODS
+    gen = load_pair_of(args, with_drafter=drafting or args.compare_ar)
     ar_gens = _ar_generators(gen, args, ar_dtypes)
     streaming = not args.json and not args.no_stream and gen.tokenizer is not None
     text_stream = IncrementalDecoder(gen.tokenizer) if streaming else None
@@ -159,6 +166,7 @@ def generate(args: argparse.Namespace) -> int:
             method=args.method,
             budget=args.budget,
             max_budget=args.max_budget,
+            lookup=args.lookup,
             callback=stream if k == 0 else None,
             **{**common, **overrides},
         )

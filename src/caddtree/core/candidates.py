@@ -209,6 +209,7 @@ class Candidates:
         self.ids = [[] for _ in range(self.depth)]
         self._k = [0] * self.depth
         self._lse = [0.0] * self.depth
+        self._dense: list[np.ndarray | None] = [None] * self.depth  # CPU rows as read, by numpy
 
     def row(self, i: int) -> list[float]:
         """The usable log-probabilities of position ``i + 1`` (read on first use)."""
@@ -255,7 +256,7 @@ class Candidates:
             row = np.asarray(row)
             if row.dtype not in (np.float32, np.float64):
                 row = row.astype(np.float64)
-            row = np.ascontiguousarray(row)
+            row = self._dense[i] = np.ascontiguousarray(row)
             maxima = chunk_maxima(row) if chunked(self.vocab, k) else None
             if first:
                 self._lse[i] = logsumexp(row, None if maxima is None else maxima.max())
@@ -278,6 +279,17 @@ class Candidates:
             raise InvalidInputError(
                 "draft logits contain NaN or infinity (or a row with no finite logit)"
             )
+
+    def log_prob(self, i: int, token: int) -> float:
+        """``log q`` of ``token`` at position ``i + 1``, whether or not it is among the candidates
+        read (``-inf`` for a token outside a :class:`TopK`'s)."""
+        values = self.row(i)
+        if self._row is None:  # TopK: only its candidates are known
+            ids = self.ids[i]
+            return values[ids.index(token)] if token in ids else -math.inf
+        dense = self._dense[i]
+        row = dense if dense is not None else self._row(i)
+        return float(row[token]) - self._lse[i]
 
     def token_ids(self, depths: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Token id of the ``ranks[j]``-th candidate at depth ``depths[j]``."""

@@ -14,7 +14,7 @@ transformers' processors do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "TokenContext",
     "argmax_rows",
     "greedy_choices",
+    "use_argmax_kernel",
     "walk_tree",
 ]
 
@@ -215,20 +216,31 @@ def plain_greedy(sampler: Sampler) -> bool:
     return sampler.greedy and not sampler.processors
 
 
+_ARGMAX_KERNEL: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def use_argmax_kernel(kernel: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Take ``kernel`` for :func:`argmax_rows` (the runtime sets it once its kernels have passed
+    their probes; ``None`` goes back to torch's)."""
+    global _ARGMAX_KERNEL
+    _ARGMAX_KERNEL = kernel
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     """``torch.argmax(logits, -1)`` of bfloat16 CPU logits [N, V] (the first index on ties, the
     first NaN if any) without widening them to float32 first, by caddtree's kernel where the
-    runtime has loaded its AVX512-BF16 build (:mod:`caddtree.runtime.kernels` registers the op);
+    runtime has loaded its AVX512-BF16 build and it passed its probes
+    (:func:`caddtree.runtime.kernels.kernel_available` sets it, :func:`use_argmax_kernel`);
     ``None`` elsewhere (the caller takes torch's)."""
     if (
-        logits.dtype is not torch.bfloat16
+        _ARGMAX_KERNEL is None
+        or logits.dtype is not torch.bfloat16
         or logits.device.type != "cpu"
         or logits.dim() != 2
         or not logits.shape[1]
-        or not hasattr(torch.ops.caddtree, "argmax_rows")
     ):
         return None
-    return torch.ops.caddtree.argmax_rows(logits)
+    return _ARGMAX_KERNEL(logits)
 
 
 def greedy_choices(logits: torch.Tensor) -> torch.Tensor:

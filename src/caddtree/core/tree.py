@@ -80,7 +80,11 @@ class DraftTree:
         depths: depth of each node, 1-based (a child of the root has depth 1), int64 ``[n]``.
         log_probs: log prefix probability ``log pi_s`` of each node, float64 ``[n]``.
         ranks: rank of each node's token among the drafter's candidates at its depth (0 = the
-            drafter's top-1), int64 ``[n]``. Used for analysis and rendering only.
+            drafter's top-1; -1 for a node copied from the context), int64 ``[n]``. Used for
+            analysis and rendering only.
+        copied: whether each node's estimate is a copy's from the context (larger than the
+            drafter's), bool ``[n]``; ``None`` for a tree of drafted nodes alone
+            (:mod:`caddtree.core.merged`).
     """
 
     token_ids: np.ndarray
@@ -88,6 +92,7 @@ class DraftTree:
     depths: np.ndarray
     log_probs: np.ndarray
     ranks: np.ndarray | None = None
+    copied: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("token_ids", "parents", "depths", "ranks"):
@@ -97,8 +102,10 @@ class DraftTree:
         object.__setattr__(
             self, "log_probs", np.asarray(self.log_probs, dtype=np.float64).reshape(-1)
         )
+        if self.copied is not None:
+            object.__setattr__(self, "copied", np.asarray(self.copied, dtype=bool).reshape(-1))
         n = self.token_ids.shape[0]
-        for name in ("parents", "depths", "log_probs", "ranks"):
+        for name in ("parents", "depths", "log_probs", "ranks", "copied"):
             value = getattr(self, name)
             if value is not None and value.shape[0] != n:
                 raise InvalidInputError(

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.copies import CopyRates, CopyTrie
 from ..core.cost import CostModel
 from ..core.sampling import TokenContext, greedy_choices, plain_greedy, walk_tree
 from ..core.tree import DraftTree, verification_rows
@@ -38,8 +39,9 @@ from ..runtime.rows import tree_rows
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
 from .batch_cost import BatchCostModel
-from .decoding import RoundStats, build_tree, check_prompt, stop_point
+from .decoding import RoundStats, check_prompt, stop_point
 from .joint_budget import JointBudget
+from .policies import LOOKUP_TOKENS, ContextCopies, build_tree
 from .requests import GenerationRequest
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
@@ -56,6 +58,17 @@ class _Running:
     bonus: int
     features: list[torch.Tensor]  # in order; joined only when the drafter reads them
     context: TokenContext | None
+    copies: ContextCopies | None = None  # its copies from the context (lookup)
+
+    def copy_trie(self, draft: DraftLogits | None, block: int) -> CopyTrie | None:
+        """This round's copies (lookup), as deep as its draft (else as its policy reaches, at most
+        ``block`` deep) and what is left of its output allow."""
+        if self.copies is None:
+            return None
+        request = self.request
+        room = request.max_new_tokens - len(request.output) - 1
+        reach = draft.shape[0] if draft is not None else min(block, request.policy.reserve_nodes)
+        return self.copies.propose(min(room, reach))
 
     def walk(
         self,
@@ -78,6 +91,8 @@ class _Running:
         request.round_stats.append(RoundStats.of_walk(tree, nodes, committed, running.length))
         if request.stop_reason is not None:
             return None
+        if self.copies is not None:
+            self.copies.commit(tokens, tokens[:committed])
         rows = verification_rows(nodes)
         move = (running.slot, running.length, rows)
         running.length += len(rows)
@@ -133,6 +148,7 @@ class BatchDecoder:
         )
         self._free = list(range(self.max_batch))
         self.joint = JointBudget(joint_cost_model, joint_max_nodes)
+        self.copy_rates = CopyRates()  # copies' acceptance, pooled over the requests (lookup)
         self._running: list[_Running] = []
 
     @property
@@ -198,7 +214,10 @@ class BatchDecoder:
         bonus = sampler.choose(logits[-1], context.ids() if context is not None else None)
         if self.proposer is not None:
             self.proposer.reset(slot)
-        return _Running(request, slot, len(prompt), bonus, [features], context)
+        copies = None
+        if request.policy.lookup:
+            copies = ContextCopies.start([*prompt, bonus], self.copy_rates)
+        return _Running(request, slot, len(prompt), bonus, [features], context, copies)
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request (propose, build, verify, walk, commit); returns
@@ -295,10 +314,15 @@ class BatchDecoder:
         """Every request's tree: from the joint budget, or each from its own policy; each cut to
         what is left of its slot (the best-first order's first nodes: still a tree)."""
         running = self._running
+        block = self.proposer.block_size - 1 if self.proposer is not None else LOOKUP_TOKENS
+        tries = [r.copy_trie(d, block) for r, d in zip(running, drafts)]
         if joint:
-            trees = self.joint.trees(drafts, [r.length for r in running])
+            trees = self.joint.trees(drafts, [r.length for r in running], tries)
         else:
-            trees = [build_tree(r.request.policy, d, r.length) for r, d in zip(running, drafts)]
+            trees = [
+                build_tree(r.request.policy, d, r.length, trie)
+                for r, d, trie in zip(running, drafts, tries)
+            ]
         return [_first_nodes(t, self.capacity - r.length - 1) for r, t in zip(running, trees)]
 
     def _rows(self, trees: list[DraftTree]) -> Rows:
@@ -344,10 +368,12 @@ def _first_nodes(tree: DraftTree, count: int) -> DraftTree:
     every node's parent comes before it, so they form a tree."""
     if len(tree) <= count:
         return tree
+    copied = tree.copied[:count] if tree.copied is not None else None
     return DraftTree(
         tree.token_ids[:count],
         tree.parents[:count],
         tree.depths[:count],
         tree.log_probs[:count],
         tree.ranks[:count],
+        copied,
     )

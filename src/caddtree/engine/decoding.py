@@ -1,15 +1,7 @@
 """The decoding loop: one round = draft, build a tree, verify it, walk it, commit.
 
-AR, DFlash, DDTree and CaDDTree are the same loop with a different :class:`TreePolicy`:
-
-========  ===================  ==================================================
-method    policy               tree per round
-========  ===================  ==================================================
-ar        :class:`NoTree`      empty: the target verifies only the bonus token
-dflash    :class:`Chain`       the drafter's top-1 token at each position
-ddtree    :class:`Budget`      the top-``budget`` prefixes (Eq. phistar)
-caddtree  :class:`CostAware`   the top-``n*`` prefixes, ``n*`` by Algorithm 1
-========  ===================  ==================================================
+AR, DFlash, DDTree, CaDDTree and prompt lookup are the same loop with a different
+:class:`~caddtree.engine.policies.TreePolicy` (:mod:`caddtree.engine.policies`).
 
 Losslessness. The target's token at every visited tree node is chosen as plain decoding would
 choose it there, and the walk follows the child that carries it (:mod:`caddtree.core.sampling`). Stop
@@ -31,24 +23,38 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from ..core.copies import CopyRates
 from ..core.sampling import Sampler, TokenContext, walk_tree
-from ..core.tree import DraftTree, build_caddtree, build_chain, build_ddtree, verification_rows
-from ..util.checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
+from ..core.tree import DraftTree, verification_rows
+from ..util.checks import check_int
 from ..util.errors import InvalidInputError
+from .policies import (
+    LOOKUP_TOKENS,
+    Budget,
+    Chain,
+    ContextCopies,
+    CostAware,
+    Lookup,
+    NoTree,
+    TreePolicy,
+    build_tree,
+    make_policy,
+)
 from .stats import GenerationResult, GenerationStats, RoundStats
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..core.candidates import DraftInput
-    from ..core.cost import CostModel
     from ..models.drafts import DraftLogits
     from ..runtime.verifier import Verifier
 
 __all__ = [
     "Budget",
     "Chain",
+    "ContextCopies",
     "CostAware",
     "GenerationResult",
     "GenerationStats",
+    "LOOKUP_TOKENS",
+    "Lookup",
     "NoTree",
     "Proposer",
     "RoundStats",
@@ -91,114 +97,6 @@ class Proposer(Protocol):
     def context_length(self) -> int: ...
 
 
-class TreePolicy(Protocol):
-    """Chooses the draft tree of a round from the drafter's logits. ``reserve_nodes`` is how
-    many tree nodes a call reserves cache room for after the output (a tree may still be larger:
-    the cache then grows); ``reach`` how deep its trees can go (``None``: as deep as the
-    draft), so a batched drafter pass drafts no deeper than that."""
-
-    name: str
-    needs_drafter: bool
-    reserve_nodes: int
-    reach: int | None
-
-    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree: ...
-
-
-@dataclass(frozen=True)
-class NoTree:
-    """Plain autoregressive decoding: no drafter, an empty tree."""
-
-    name: str = "ar"
-    needs_drafter: bool = False
-    reserve_nodes: int = 0
-    reach: int | None = 0
-
-    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
-        return DraftTree.empty()
-
-
-@dataclass(frozen=True)
-class Chain:
-    """DFlash: the drafter's top-1 token at every position."""
-
-    name: str = "dflash"
-    needs_drafter: bool = True
-    reserve_nodes: int = DEFAULT_DDTREE_BUDGET
-    reach: int | None = None
-
-    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
-        return build_chain(draft_logits)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """DDTree: the ``budget`` most probable prefixes."""
-
-    budget: int
-    name: str = "ddtree"
-    needs_drafter: bool = True
-
-    @property
-    def reserve_nodes(self) -> int:
-        return self.budget
-
-    @property
-    def reach(self) -> int:
-        return self.budget  # a tree of n nodes is at most n deep
-
-    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
-        return build_ddtree(draft_logits, self.budget)
-
-
-@dataclass(frozen=True)
-class CostAware:
-    """CaDDTree: the size that maximises surrogate throughput under ``cost_model``."""
-
-    cost_model: CostModel
-    max_budget: int = 1024
-    name: str = "caddtree"
-    needs_drafter: bool = True
-
-    @property
-    def reserve_nodes(self) -> int:
-        return self.max_budget
-
-    @property
-    def reach(self) -> int:
-        return self.max_budget
-
-    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
-        return build_caddtree(draft_logits, self.cost_model, context_length, self.max_budget)
-
-
-def make_policy(
-    method: str,
-    *,
-    budget: int | None = None,
-    cost_model: CostModel | None = None,
-    max_budget: int = 1024,
-) -> TreePolicy:
-    """The tree policy of ``method`` (one of :data:`METHODS`), with a clear error for missing or
-    meaningless arguments."""
-    check_method(method)
-    if method == "ddtree":
-        if budget is None:
-            raise InvalidInputError("method 'ddtree' needs a node budget (e.g. budget=64)")
-        check_int("the ddtree budget", budget)
-        return Budget(int(budget))
-    if budget is not None:
-        raise InvalidInputError(f"a node budget only applies to method 'ddtree', not {method!r}")
-    if method == "caddtree":
-        if cost_model is None:
-            raise InvalidInputError(
-                "method 'caddtree' needs a cost model: pass cost_model= (a CostModel or a file from "
-                "`caddtree profile` / ConvexCostModel.fit(...).save())"
-            )
-        return CostAware(cost_model, check_int("max_budget", max_budget))
-    return Chain() if method == "dflash" else NoTree()
-
-
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
@@ -222,13 +120,6 @@ def check_prompt(
     if policy.needs_drafter and not has_drafter:
         raise InvalidInputError(f"method {policy.name!r} needs a drafter")
     return prompt
-
-
-def build_tree(policy: TreePolicy, draft: DraftLogits | None, context_length: int) -> DraftTree:
-    """The round's tree of ``policy`` from ``draft`` (empty without one), in target ids."""
-    if draft is None:
-        return DraftTree.empty()
-    return draft.in_target_ids(policy.build(draft, context_length))
 
 
 def _checked_prompt(
@@ -355,6 +246,8 @@ class _Loop:
     criteria: list[Callable[..., Any]]
     context: TokenContext | None
     max_new_tokens: int
+    pooled: CopyRates | None = None  # the copies' rates pooled over requests (lookup)
+    copies: ContextCopies | None = None
     output: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
 
@@ -373,6 +266,8 @@ class _Loop:
         self.output.append(
             self.sampler.choose(logits, context.ids() if self.sampler.needs_context else None)
         )
+        if self.policy.lookup:
+            self.copies = ContextCopies.start([*prompt, self.output[0]], self.pooled)
         return logits, features
 
     def cut(self, tokens: list[int]) -> tuple[int, str | None]:
@@ -392,8 +287,13 @@ class _Loop:
         return draft
 
     def build(self, draft: DraftLogits | None) -> DraftTree:
-        """The round's tree, in target ids."""
-        return build_tree(self.policy, draft, self.verifier.context_length)
+        """The round's tree, in target ids: the drafter's and, with lookup, the copies'."""
+        trie = None
+        if self.copies is not None:
+            room = self.max_new_tokens - len(self.output) - 1  # deeper nodes cannot commit
+            reach = draft.shape[0] if draft is not None else self.policy.reserve_nodes
+            trie = self.copies.propose(min(room, reach))
+        return build_tree(self.policy, draft, self.verifier.context_length, trie)
 
     def round(self, bonus: int, features: torch.Tensor) -> _RoundOutcome:
         """One round after ``bonus``: draft, build, verify, walk, commit."""
@@ -409,13 +309,15 @@ class _Loop:
         _sync(verifier.device)
         t_forward = time.perf_counter()
         nodes, next_bonus = walk_tree(tree, logits, self.sampler, self.context)
-        tokens = [int(tree.token_ids[k]) for k in nodes] + [next_bonus]
-        keep, stop_reason = self.cut(tokens)
-        tokens = tokens[:keep]
+        chosen = [int(tree.token_ids[k]) for k in nodes] + [next_bonus]
+        keep, stop_reason = self.cut(chosen)
+        tokens = chosen[:keep]
         if stop_reason is None:
             features = verifier.commit(nodes)
             if self.context is not None:
                 self.context.commit(tokens)
+            if self.copies is not None:
+                self.copies.commit(chosen, tokens)
         _sync(verifier.device)
         t3 = time.perf_counter()
         self.output.extend(tokens)
@@ -458,6 +360,7 @@ def decode(
     callback: Callable[[RoundStats, list[int]], Any] | None = None,
     tree_callback: Callable[[DraftTree, RoundStats], Any] | None = None,
     logits_callback: Callable[[torch.Tensor], Any] | None = None,
+    copy_rates: CopyRates | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one tree policy.
 
@@ -475,6 +378,8 @@ def decode(
     ``logits_callback(rows)`` receives, after the prefill and after every round (before
     ``callback``), the target's raw logits at which the tokens added were chosen, ``[k, V]``, one
     row per token (for transformers' ``output_logits`` / ``output_scores``).
+    ``copy_rates``: where the policy takes copies from the context (``lookup``), the rates pooled
+    over calls that this call's own learn from and add to (default: this call's alone).
     """
     prompt = _checked_prompt(verifier, prompt_ids, policy, proposer, max_new_tokens)
     sampler = sampler or Sampler()
@@ -485,7 +390,9 @@ def decode(
     if sampler.needs_context or criteria:
         context = TokenContext(prompt, len(prompt) + max_new_tokens, verifier.device)
     stops = {int(t) for t in stop_token_ids}
-    loop = _Loop(verifier, policy, proposer, sampler, stops, criteria, context, max_new_tokens)
+    loop = _Loop(
+        verifier, policy, proposer, sampler, stops, criteria, context, max_new_tokens, copy_rates
+    )
     t_start = time.perf_counter()
     logits, features = loop.prefill(prompt)
     _sync(verifier.device)

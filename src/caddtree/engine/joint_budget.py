@@ -17,11 +17,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.candidates import Candidates
+from ..core.copies import CopyTrie
 from ..core.cost import CostModel
+from ..core.merged import MergedSource, build_merged
 from ..core.tree import DraftTree, build_joint_caddtrees
 from ..models.drafts import DraftLogits
 from .batch_cost import BatchCostModel
-from .decoding import TreePolicy
+from .policies import TreePolicy
 
 __all__ = ["JointBudget"]
 
@@ -100,33 +103,39 @@ class JointBudget:
         key = (sequences, rows)
         self._draft_times.setdefault(key, deque(maxlen=_DRAFT_TIMES)).append(seconds)
 
-    def trees(self, drafts: list[DraftLogits | None], lengths: list[int]) -> list[DraftTree]:
+    def trees(
+        self,
+        drafts: list[DraftLogits | None],
+        lengths: list[int],
+        tries: Sequence[CopyTrie | None] = (),
+    ) -> list[DraftTree]:
         """Every request's tree (in target ids) from one budget over all of them
         (:func:`~caddtree.core.tree.build_joint_caddtrees`), for requests whose contexts hold
-        ``lengths`` tokens and that drafted ``drafts`` (``None``: no draft this round).
+        ``lengths`` tokens and that drafted ``drafts`` (``None``: no draft this round), with
+        their copies from the context where ``tries`` holds some (a copy's node is priced like a
+        drafted one: :func:`~caddtree.core.merged.build_merged`).
 
         A round of ``B`` requests with ``n`` nodes in all is priced by the batch cost model
         (``C_v(n; B, context)`` at the mean context), or, with a one-sequence model, as one
         sequence's verification of ``B - 1 + n`` nodes; plus the drafter pass of ``B`` sequences
         as timed here (:meth:`_draft_cost`) and what the cost model leaves out (measured)."""
+        tries = list(tries) or [None] * len(drafts)
         present = [d for d in drafts if d is not None]
         verify = self._verify_costs(len(lengths), sum(lengths) // len(lengths))
-        if not present:  # batched plain decoding: nothing to choose
+        if not present and not any(tries):  # batched plain decoding: nothing to choose
             self._modelled = (float(verify[0]), 0)
             return [DraftTree.empty() for _ in drafts]
         misses = self._misses
         rows = sum(d.shape[0] + 1 for d in present)  # each block's bonus and drafted positions
-        modelled = verify + self._draft_cost(len(present), rows)
+        modelled = verify + (self._draft_cost(len(present), rows) if present else 0.0)
         costs = modelled + misses.plain_s + len(present) * misses.per_draft_s
         kappa = self.calibration
-        chosen = build_joint_caddtrees(present, costs, self.max_nodes, calibration=kappa)
+        chosen = _joint_trees(drafts, tries, costs, self.max_nodes, kappa)
         self._modelled = (float(modelled[sum(len(t) for t in chosen)]), len(present))
-        self._judge(len(drafts), chosen, costs, float(verify[0]) + misses.plain_s, kappa)
+        if present:
+            self._judge(len(drafts), chosen, costs, float(verify[0]) + misses.plain_s, kappa)
         self._depths.append(max((int(t.depths.max()) for t in chosen if len(t)), default=0))
-        built = iter(chosen)
-        return [
-            d.in_target_ids(next(built)) if d is not None else DraftTree.empty() for d in drafts
-        ]
+        return chosen
 
     def observe_tree(self, phi: float, accepted: int) -> None:
         """A verified tree of prefix mass ``phi`` had ``accepted`` nodes accepted."""
@@ -207,6 +216,28 @@ class JointBudget:
         drafted = (batch + kappa * sum(t.phi for t in trees)) / costs[nodes]
         if drafted < _DRAFT_MARGIN * batch / plain_cost:
             self._skip = (batch, _SKIP_ROUNDS)
+
+
+def _joint_trees(
+    drafts: list[DraftLogits | None],
+    tries: list[CopyTrie | None],
+    costs: np.ndarray,
+    max_nodes: int,
+    kappa: float,
+) -> list[DraftTree]:
+    """The trees of one joint budget, in target ids: the drafter's alone, or merged with the
+    copies where there are any (the same rule: ``R / kappa`` bonus rows)."""
+    if not any(tries):
+        present = [d for d in drafts if d is not None]
+        built = iter(build_joint_caddtrees(present, costs, max_nodes, calibration=kappa))
+        return [
+            d.in_target_ids(next(built)) if d is not None else DraftTree.empty() for d in drafts
+        ]
+    sources = [
+        MergedSource(Candidates(d) if d is not None else None, trie, getattr(d, "token_map", None))
+        for d, trie in zip(drafts, tries)
+    ]
+    return build_merged(sources, max_nodes, costs[: max_nodes + 1].tolist(), len(drafts) / kappa)
 
 
 class _CostMisses:

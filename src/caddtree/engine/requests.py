@@ -161,7 +161,8 @@ class RequestSettings:
     ``max_new_tokens``, ``stop_token_ids`` (``None``: the model's EOS; ``()``: none), ``stop``
     (strings: the output ends after the token that completes one, kept), ``stopping_criteria``
     (transformers-style). The prompt: ``chat``, ``chat_template_kwargs`` (see
-    :func:`encode_prompt`)."""
+    :func:`encode_prompt`). ``lookup``: DDTree's and CaDDTree's trees take copies from the
+    context too."""
 
     budget: int | None = None
     cost_model: Any = None
@@ -178,16 +179,18 @@ class RequestSettings:
     chat: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     seed: int | None = None
+    lookup: bool = False
 
     @classmethod
-    def of(cls, settings: dict[str, Any]) -> RequestSettings:
-        """``settings`` by name; a name that is not a setting is refused, with the list."""
+    def of(cls, settings: dict[str, Any], caller: str = "request") -> RequestSettings:
+        """``settings`` by name; a name that is not a setting is a ``TypeError``, as Python's
+        for an unexpected keyword argument of ``caller``, with the list of settings."""
         known = cls.__dataclass_fields__
         unknown = sorted(set(settings) - set(known))
         if unknown:
-            raise InvalidInputError(
-                f"unknown setting(s) {', '.join(map(repr, unknown))}: a request takes "
-                f"{', '.join(known)}"
+            raise TypeError(
+                f"{caller}() got an unexpected keyword argument {unknown[0]!r}; the settings "
+                f"are {', '.join(known)}"
             )
         return cls(**settings)
 

@@ -41,6 +41,8 @@ class RoundStats:
     projected: int = 0  # positions projected (of the block's B - 1; 0 without a draft)
     forward_s: float = 0.0  # the part of verify_s spent in the target's forward pass
     round_s: float = 0.0  # the whole round, bookkeeping included (callbacks excluded)
+    copied: int = 0  # tree nodes whose estimate was a copy's from the context (lookup)
+    copied_accepted: int = 0  # of the accepted nodes, those
 
     @classmethod
     def of_walk(cls, tree: Any, path: list[int], committed: int, context_length: int) -> RoundStats:
@@ -56,6 +58,8 @@ class RoundStats:
             verify_s=0.0,
             phi=tree.phi,
             path=path,
+            copied=int(tree.copied.sum()) if tree.copied is not None else 0,
+            copied_accepted=int(tree.copied[path].sum()) if tree.copied is not None else 0,
         )
 
 
@@ -77,6 +81,10 @@ class GenerationStats:
     4 counts 4/60, however good the path, so it falls as trees grow even when ``tau`` rises.
     ``accepted_per_position[k - 1]`` is the number of rounds that accepted at least ``k`` draft
     tokens (vLLM's ``num_accepted_tokens_per_pos``; as long as the deepest acceptance).
+
+    Copies from the context (``lookup``): ``copied_tokens`` counts the tree nodes whose estimate
+    was a copy's, ``copied_accepted_tokens`` those accepted, and ``copied_share`` is their share of
+    the tokens committed in rounds (of ``tau``).
 
     ``stop_reason``: ``"stop_token"`` (EOS or another stop token id), ``"stop_string"``,
     ``"stopping_criteria"`` (another criterion), or ``"max_new_tokens"``.
@@ -103,6 +111,9 @@ class GenerationStats:
     draft_acceptance_rate: float
     accepted_per_position: list[int]
     per_round: list[RoundStats] = field(default_factory=list, repr=False)
+    copied_tokens: int = 0
+    copied_accepted_tokens: int = 0
+    copied_share: float = 0.0
 
     @classmethod
     def from_rounds(
@@ -121,6 +132,8 @@ class GenerationStats:
         draft_tokens = sum(r.budget for r in rounds)
         accepted_tokens = sum(r.accepted for r in rounds)
         deepest = max((r.accepted for r in rounds), default=0)
+        copied_accepted = sum(r.copied_accepted for r in rounds)
+        committed = sum(r.committed for r in rounds)
         after_first = wall_s - prefill_s
         return cls(
             method=method,
@@ -148,6 +161,9 @@ class GenerationStats:
                 sum(r.accepted >= k for r in rounds) for k in range(1, deepest + 1)
             ],
             per_round=rounds,
+            copied_tokens=sum(r.copied for r in rounds),
+            copied_accepted_tokens=copied_accepted,
+            copied_share=copied_accepted / committed if committed else 0.0,
         )
 
     def to_dict(self, per_round: bool = False) -> dict[str, Any]:

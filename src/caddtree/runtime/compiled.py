@@ -33,8 +33,8 @@ the cache tensors were replaced; any other call goes through ``torch.compile`` a
 
 **Weights stay inputs.** The graphs take the packed weights as inputs instead of freezing them
 into the graph (inductor's ``freezing``), so that inductor's on-disk caches (FX graph and
-AOTAutograd) keep the compiled code between processes: the first run on a machine compiles, for
-about a minute on two cores, and later runs load the code in seconds. Inductor lowers oneDNN's
+AOTAutograd) keep the compiled code between processes: the first run on a machine compiles, and
+later runs load the compiled code instead. Inductor lowers oneDNN's
 packed linear only for frozen weights; :func:`_lower_unfrozen_packed_linear` makes it call the
 same kernel for weights given as inputs. The cache is ``$TORCHINDUCTOR_CACHE_DIR`` when set to
 other than torch's default, else
@@ -476,7 +476,7 @@ def compile_progress(progress: bool, total: int) -> Iterator[Any]:
     began = time.perf_counter()
     bar = tqdm(
         total=total,
-        desc="compiling the target's layers (first run on this machine: about a minute)",
+        desc="compiling the target's layers (first run on this machine; later runs load it)",
         leave=False,
         disable=not progress,
     )

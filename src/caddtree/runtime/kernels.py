@@ -11,8 +11,8 @@ and attention for a few rows over a cache, in two builds of the same operators a
 
 A decoding step or a tree verification multiplies a few rows by every weight of the model: the
 work is reading the weights once. oneDNN's packed linear (:mod:`caddtree.runtime.packing`) reads
-them at the machine's bandwidth too, but pays a fixed cost per call that, over the 121 linear
-calls of a forward of the built-in target, is a large share of it; SDPA's flash kernel likewise
+them at the machine's bandwidth too, but pays a fixed cost per call that, over every linear
+call of a forward of a small target, is a large share of it; SDPA's flash kernel likewise
 spends most of a few-row attention call on its set-up. The kernels here start with no set-up but
 their parallel loop; ``benchmarks/linear_kernel.py`` and ``benchmarks/vs_llamacpp.py`` measure
 them.
@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..core.sampling import use_argmax_kernel
 from ..util.defaults import cache_root
 from ..util.files import atomic_write
 
@@ -213,7 +214,9 @@ def _library(cxx: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path.parent / ".build.lock")):
         if not path.is_file():
-            logger.info("building caddtree's bfloat16 kernels for this CPU (once; ~20 s)")
+            logger.info(
+                "building caddtree's bfloat16 kernels for this CPU (once; later runs load them)"
+            )
             files = []
             for name, text in sources.items():
                 files.append(
@@ -318,6 +321,13 @@ def _probe_attention() -> bool:
     return bool(close and torch.equal(alone, out))
 
 
+def _probe_argmax() -> bool:
+    """The argmax kernel against torch's on random rows with ties (first index wins)."""
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits[1, [5, 70]] = logits[1].max() + 1
+    return torch.equal(torch.ops.caddtree.argmax_rows(logits), torch.argmax(logits.float(), -1))
+
+
 @functools.cache
 def kernel_available() -> bool:
     """Whether the kernels are built, loaded and passed their probes in this process (built on
@@ -331,6 +341,8 @@ def kernel_available() -> bool:
             torch.ops.load_library(str(_library(cxx_compiler())))
             _register_fakes()
         if _probe() and _probe_attention():
+            if hasattr(torch.ops.caddtree, "argmax_rows") and _probe_argmax():
+                use_argmax_kernel(torch.ops.caddtree.argmax_rows)
             return True
         logger.warning("caddtree's bfloat16 kernels failed their probes; oneDNN and SDPA are used")
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

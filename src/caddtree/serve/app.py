@@ -86,6 +86,7 @@ def build_app(
     cost_model_dir: str | os.PathLike[str] | None = None,
     on_round: Any = None,
     torch_thread: Any = None,
+    lookup: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``generator`` (a loaded
     :class:`~caddtree.api.SpeculativeGenerator` with a tokenizer) under the name ``model_name``.
@@ -93,7 +94,8 @@ def build_app(
     Defaults for requests that leave a field out: ``method``; ``budget``, ddtree's node budget
     (:data:`~caddtree.util.checks.DEFAULT_DDTREE_BUDGET` when ``None``); ``max_budget``, caddtree's
     largest tree; ``max_new_tokens`` (``max_tokens``, lowered to what the model's context has room
-    for); ``temperature`` (OpenAI's default is 1).
+    for); ``temperature`` (OpenAI's default is 1); ``lookup`` (copies from the context in the
+    trees of ddtree and caddtree requests).
     A caddtree request uses ``generator.cost_model`` unless it names a cost-model file: a file
     name inside ``cost_model_dir`` (requests may read no other file on the server; without a
     directory they may name none).
@@ -122,6 +124,7 @@ def build_app(
         max_budget=max_budget,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        lookup=lookup,
     )
     service = _Service(
         generator,
@@ -252,6 +255,7 @@ class _Defaults:
     max_budget: int
     max_new_tokens: int
     temperature: float
+    lookup: bool = False
 
 
 class _Service:
@@ -361,9 +365,13 @@ class _Service:
         return max_tokens
 
     def method_kwargs(self, req: OpenAIRequest, run: str) -> dict[str, Any]:
-        """The settings of the request's method: DDTree's budget, CaDDTree's cost model."""
+        """The settings of the request's method: DDTree's budget, CaDDTree's cost model, lookup."""
+        lookup = self.defaults.lookup if req.lookup is None else req.lookup
+        if req.lookup and run not in ("ddtree", "caddtree"):  # the server's default method
+            raise OpenAIError(f"lookup takes ddtree or caddtree, not {run!r}", param="lookup")
         if run == "ddtree":
-            return {"budget": req.budget if req.budget is not None else self.defaults.budget}
+            budget = req.budget if req.budget is not None else self.defaults.budget
+            return {"budget": budget, "lookup": lookup}
         if run != "caddtree":
             if req.max_budget is not None:
                 raise OpenAIError(
@@ -372,7 +380,7 @@ class _Service:
                 )
             return {}
         max_budget = req.max_budget if req.max_budget is not None else self.defaults.max_budget
-        kwargs: dict[str, Any] = {"max_budget": max_budget}
+        kwargs: dict[str, Any] = {"max_budget": max_budget, "lookup": lookup}
         if req.cost_model is not None:
             kwargs["cost_model"] = self.cost_model_file(req.cost_model)
         elif getattr(self.generator, "cost_model", None) is None:

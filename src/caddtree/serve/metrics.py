@@ -155,6 +155,8 @@ class ServerMetrics:
             )
             if drafted:
                 counts.add_draft(int(stats.budget), int(stats.accepted))
+                counts.copied_tokens += int(getattr(stats, "copied", 0))
+                counts.copied_accepted_tokens += int(getattr(stats, "copied_accepted", 0))
 
     def request_finished(
         self,
@@ -187,7 +189,8 @@ class ServerMetrics:
             (
                 "spec_decode_num_drafts_total",
                 "drafts",
-                "Rounds in which the drafter proposed a draft (dflash, ddtree, caddtree).",
+                "Rounds with a draft: from the drafter (dflash, ddtree, caddtree) or copied from "
+                "the context (lookup).",
             ),
             (
                 "spec_decode_num_draft_tokens_total",
@@ -198,6 +201,18 @@ class ServerMetrics:
                 "spec_decode_num_accepted_tokens_total",
                 "accepted_tokens",
                 "Draft tokens accepted by the target (the accepted path; bonus tokens excluded).",
+            ),
+            (
+                "copied_draft_tokens_total",
+                "copied_tokens",
+                "Draft tokens copied from the context (lookup): tree nodes whose estimate was a "
+                "copy's.",
+            ),
+            (
+                "copied_accepted_tokens_total",
+                "copied_accepted_tokens",
+                "Accepted draft tokens that were copied from the context (lookup); divide by the "
+                "tokens committed in rounds for their share of the acceptance length.",
             ),
         )
         for metric, field, help_text in counters:
@@ -352,6 +367,7 @@ class _MethodCounts:
 
     def __init__(self, positions: int) -> None:
         self.rounds = self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.copied_tokens = self.copied_accepted_tokens = 0  # nodes copied from the context
         self.accepted_per_pos = [0] * positions
 
     def add_draft(self, draft_tokens: int, accepted: int) -> None:

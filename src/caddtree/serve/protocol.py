@@ -8,9 +8,10 @@ Request fields (chat: ``/v1/chat/completions``; completion: ``/v1/completions``)
   ``stream_options.include_usage``, ``n`` (must be 1);
 * vLLM's and SGLang's sampling extras: ``top_k`` (0 or -1: off), ``min_p``,
   ``repetition_penalty``, ``ignore_eos``, ``chat_template_kwargs`` (chat);
-* caddtree's: ``method`` (``ar``, ``dflash``, ``ddtree``, ``caddtree``), ``budget`` (ddtree's node
-  budget), ``max_budget`` (caddtree's largest tree), ``cost_model`` (the name of a cost-model file
-  in the server's ``--cost-model-dir``, for caddtree).
+* caddtree's: ``method`` (``ar``, ``dflash``, ``ddtree``, ``caddtree``, ``lookup``), ``budget``
+  (ddtree's node budget), ``max_budget`` (caddtree's largest tree), ``cost_model`` (the name of a
+  cost-model file in the server's ``--cost-model-dir``, for caddtree), ``lookup`` (true or false:
+  copies from the context join ddtree's and caddtree's trees; default the server's ``--lookup``).
 
 Fields that would change the output in ways caddtree does not implement (``logprobs``,
 ``presence_penalty``/``frequency_penalty`` other than 0, ``echo``, ``suffix``, ``tools``, a JSON
@@ -118,6 +119,7 @@ class OpenAIRequest:
     budget: int | None = None
     max_budget: int | None = None
     cost_model: str | None = None
+    lookup: bool | None = None
 
 
 _MISSING = object()
@@ -313,6 +315,7 @@ def parse_request(body: Any, kind: str) -> OpenAIRequest:
         budget=budget,
         max_budget=f.integer("max_budget", 1),
         cost_model=cost_model,
+        lookup=_lookup_field(f, method),
     )
 
 
@@ -391,6 +394,22 @@ def _method_fields(f: _Fields) -> tuple[str | None, int | None, str | None]:
             f"cost_model only applies to method 'caddtree', not {method!r}", param="cost_model"
         )
     return method, budget, cost_model
+
+
+def _lookup_field(f: _Fields, method: str | None) -> bool | None:
+    """caddtree's ``lookup`` (``None`` where the request leaves it out)."""
+    lookup = f.get("lookup")
+    if lookup is None:
+        return None
+    if not isinstance(lookup, bool):
+        raise OpenAIError(f"lookup must be true or false, got {lookup!r}", param="lookup")
+    if lookup and method not in (None, "ddtree", "caddtree"):
+        raise OpenAIError(
+            f"lookup adds copies from the context to the trees of ddtree and caddtree, not of "
+            f"{method!r} (method 'lookup' decodes with copies alone)",
+            param="lookup",
+        )
+    return lookup
 
 
 # ---- stop strings in text --------------------------------------------------------------------------

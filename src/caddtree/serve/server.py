@@ -39,11 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_method_arguments(parser, per_request=True)
     _add_listening_arguments(parser)
     _add_request_defaults(parser)
+    _add_refusal_and_log_arguments(parser)
     return parser
 
 
 def _add_listening_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the server listens, how many requests it takes and batches, and its logs."""
+    """Where the server listens, and how many requests it takes and batches."""
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})"
     )
@@ -85,18 +86,6 @@ def _add_listening_arguments(parser: argparse.ArgumentParser) -> None:
         help="the largest request body taken; a larger one gets HTTP 413 before it is read "
         f"(default {DEFAULT_MAX_REQUEST_BYTES:,}, far more than the model's context fills)",
     )
-    parser.add_argument(
-        "--retry-after",
-        type=int,
-        default=1,
-        help="seconds a refused client is told to wait (Retry-After; default 1)",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level (default info: one access line per request)",
-    )
 
 
 def _add_request_defaults(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +112,22 @@ def _add_request_defaults(parser: argparse.ArgumentParser) -> None:
         "--cost-model-dir",
         help="a folder of cost-model files that requests may name in their cost_model field "
         "(default: none; requests then use the server's cost model)",
+    )
+
+
+def _add_refusal_and_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a refused client is told, and how much the server logs."""
+    parser.add_argument(
+        "--retry-after",
+        type=int,
+        default=1,
+        help="seconds a refused client is told to wait (Retry-After; default 1)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default info: one access line per request)",
     )
 
 
@@ -254,6 +259,7 @@ def serve(args: argparse.Namespace) -> int:
             retry_after_s=args.retry_after,
             cost_model_dir=args.cost_model_dir,
             torch_thread=torch_thread,
+            lookup=args.lookup,
         ).result()  # on the generating thread too: the batch engine allocates its cache there
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"

@@ -178,14 +178,16 @@ def by_length(sample_ids: Sequence[int], lengths: Sequence[int]) -> list[int]:
 
 def length_buckets(ordered: Sequence[int], picks: torch.Tensor, window: int) -> list[int]:
     """Samples for a step by length: ``ordered`` (sample ids by length, :func:`by_length`) is cut
-    into buckets of ``window`` neighbours; ``picks`` (uniform random numbers in [0, 1), one per
-    sample of the step) choose, the first a place in ``ordered`` and so its bucket (a bucket as
-    often as it has samples), the others places in that bucket. Every sample is drawn equally
-    often, and a step's samples have similar lengths."""
+    into buckets of ``window`` neighbours, the last one taking the remainder (so no bucket is
+    smaller than ``window``); ``picks`` (uniform random numbers in [0, 1), one per sample of the
+    step) choose, the first a place in ``ordered`` and so its bucket (a bucket as often as it has
+    samples), the others places in that bucket. Every sample is drawn equally often, and a step's
+    samples have similar lengths."""
     n = len(ordered)
     window = max(1, min(window, n))
+    buckets = n // window
     first, *others = picks.tolist()
     place = min(int(first * n), n - 1)
-    low = place - place % window
-    size = min(window, n - low)
+    low = min(place // window, buckets - 1) * window
+    size = window if low + 2 * window <= n else n - low
     return [ordered[place]] + [ordered[low + min(int(p * size), size - 1)] for p in others]

@@ -362,12 +362,7 @@ def record_provenance(
     samples ``[first, end)`` with the generator and batch size that made them, the seconds it took
     and the response tokens made, a range growing while the generator and batch size stay."""
     start = len(done.sequences)
-    ranges = [r for r in done.meta.get("generators", []) if r["first"] < start]
-    if ranges and ranges[-1]["end"] != start:  # a file cut short by hand: recount what is left
-        cut = ranges[-1]
-        kept = TrainingData(done.sequences[cut["first"] :], done.prompt_lengths[cut["first"] :])
-        ranges[-1] = {k: v for k, v in cut.items() if k != "seconds"}
-        ranges[-1].update(end=start, response_tokens=kept.response_tokens())
+    ranges = _ranges_up_to(done, start)
     done.meta["generators"] = ranges
     entry = {"generator": chunk.meta.get("generator"), "batch_size": batch_size}
     last = ranges[-1] if ranges else None
@@ -385,6 +380,25 @@ def record_provenance(
             "response_tokens": chunk.response_tokens(),
         }
     )
+
+
+def _ranges_up_to(done: TrainingData, start: int) -> list[dict[str, Any]]:
+    """``done``'s generator ranges for its first ``start`` samples: a range cut short by hand is
+    recounted (its seconds dropped), and samples no range records get one of generator None."""
+    ranges = [r for r in done.meta.get("generators", []) if r["first"] < start]
+    if ranges and ranges[-1]["end"] > start:  # a file cut short by hand: recount what is left
+        cut = ranges[-1]
+        ranges[-1] = {k: v for k, v in cut.items() if k != "seconds"}
+        ranges[-1].update(end=start, response_tokens=_response_tokens(done, cut["first"], start))
+    covered = ranges[-1]["end"] if ranges else 0
+    if covered < start:  # samples from elsewhere, or made before ranges were recorded
+        gap = {"generator": None, "response_tokens": _response_tokens(done, covered, start)}
+        ranges.append({"first": covered, "end": start, **gap})
+    return ranges
+
+
+def _response_tokens(data: TrainingData, first: int, end: int) -> int:
+    return TrainingData(data.sequences[first:end], data.prompt_lengths[first:end]).response_tokens()
 
 
 def choose_draft_vocab(

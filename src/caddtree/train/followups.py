@@ -11,6 +11,7 @@ the messages (resumable through a JSON-lines file, one record per conversation) 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -22,21 +23,22 @@ from .data import TrainingData
 from .magpie import (
     assistant_turns,
     filter_queries,
+    found_user_messages,
     pre_query_ids,
     read_raw_queries,
     sample_messages,
-    user_messages,
 )
 
-__all__ = ["conversations", "followup_prompts", "generate_followups"]
+__all__ = ["conversation_digest", "conversations", "followup_prompts", "generate_followups"]
 
 Conversation = list[dict[str, str]]
 
 
 def conversations(data: TrainingData, tokenizer: Any, count: int) -> list[Conversation]:
-    """The first ``count`` samples of ``data`` that ask one question (no earlier turns) and have a
-    finished answer (it ended with a stop token), as ``[user, assistant]`` messages, in the data's order (which only
-    grows by appending, so a larger ``count`` keeps the earlier conversations first)."""
+    """The first ``count`` samples of ``data`` that ask one question (no earlier turns, one user
+    message found by the chat template's markers) and have a finished answer (it ended with a
+    stop token), as ``[user, assistant]`` messages, in the data's order (which only grows by
+    appending, so a larger ``count`` keeps the earlier conversations first)."""
     found: list[Conversation] = []
     stops = set(data.meta.get("stops", ()))
     for seq, p in zip(data.sequences, data.prompt_lengths):
@@ -46,7 +48,9 @@ def conversations(data: TrainingData, tokenizer: Any, count: int) -> list[Conver
         prompt = seq[:p].tolist()
         if not response or response[-1] not in stops or assistant_turns(tokenizer, prompt) != 1:
             continue
-        turns = user_messages(tokenizer, prompt)
+        turns = found_user_messages(tokenizer, prompt)
+        if len(turns) != 1:
+            continue
         answer = tokenizer.decode(response[:-1], skip_special_tokens=True).strip()
         if answer:
             found.append(
@@ -69,17 +73,19 @@ def generate_followups(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Sample the user's next message after each conversation of ``chats`` from ``target`` at
-    temperature 1, resumable through ``path``: one record ``{"batch", "conversation", "query",
-    "finished"}`` per conversation, in order. The records there are kept as they are and the
-    conversations after them sampled in batches from there, the batch starting at conversation
-    ``i`` with the random seed ``(seed, i)``, so that prompts made from them earlier stay."""
+    temperature 1, resumable through ``path``: one record ``{"batch", "conversation", "digest",
+    "query", "finished"}`` per conversation, in order. The records there are kept as they are
+    up to the first whose conversation is not the one at its place in ``chats`` (its digest
+    differs), and the conversations after them sampled in batches from there, the batch starting
+    at conversation ``i`` with the random seed ``(seed, i)``, so that prompts made from them
+    earlier stay."""
     import torch
     from tqdm.auto import tqdm
 
     path = Path(path)
-    records = read_raw_queries(path)
+    digests = [conversation_digest(c) for c in chats]
+    records = _still_matching(read_raw_queries(path), digests)
     stops = {int(t) for t in stop_token_ids}
-    records = records[: len(chats)]
     starts = range(len(records), len(chats), batch_size)
     bar = tqdm(total=len(chats), initial=len(records), desc="follow-ups", disable=not progress)
     for start in starts:
@@ -95,13 +101,34 @@ def generate_followups(
             target, tokenizer, ids, mask, max_new_tokens, stops, pad_token_id=pad_token_id
         )
         for row, (text, finished) in enumerate(sampled):
+            index = start + row
             records.append(
-                {"batch": start, "conversation": start + row, "query": text, "finished": finished}
+                {
+                    "batch": start,
+                    "conversation": index,
+                    "digest": digests[index],
+                    "query": text,
+                    "finished": finished,
+                }
             )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
         bar.update(len(prefixes))
     bar.close()
     return records
+
+
+def conversation_digest(chat: Conversation) -> str:
+    """A short digest of ``chat``'s messages, kept with its sampled follow-up."""
+    text = json.dumps([[m["role"], m["content"]] for m in chat], ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _still_matching(records: list[dict[str, Any]], digests: Sequence[str]) -> list[dict[str, Any]]:
+    """The leading ``records`` whose conversations are still those of ``digests``."""
+    kept = 0
+    while kept < min(len(records), len(digests)) and records[kept].get("digest") == digests[kept]:
+        kept += 1
+    return records[:kept]
 
 
 def followup_prompts(

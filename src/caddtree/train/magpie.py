@@ -41,6 +41,7 @@ __all__ = [
     "persona_of_batch",
     "read_raw_queries",
     "sample_messages",
+    "found_user_messages",
     "user_messages",
     "pre_query_ids",
     "read_prompt_file",
@@ -168,24 +169,31 @@ def assistant_turns(tokenizer: Any, prompt_ids: Sequence[int]) -> int:
 
 
 def user_messages(tokenizer: Any, prompt_ids: Sequence[int]) -> list[str]:
+    """The user's messages in a chat prompt's token ids (:func:`found_user_messages`); the whole
+    decoded prompt where they are not found."""
+    found = found_user_messages(tokenizer, prompt_ids)
+    return found or [tokenizer.decode(list(prompt_ids), skip_special_tokens=False)]
+
+
+def found_user_messages(tokenizer: Any, prompt_ids: Sequence[int]) -> list[str]:
     """The user's messages in a chat prompt's token ids, found by the text the chat template puts
-    around a user message (from the last special token before it to the first after it); the
-    whole decoded prompt where the template has none or they are not found."""
-    text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    around a user message (from the last special token before it to the first after it, or all
+    of the text before and after it where the template has none); none where the tokenizer has
+    no template or the prompt does not hold its markers."""
     if not getattr(tokenizer, "chat_template", None):
-        return [text]
+        return []
     probe = tokenizer.apply_chat_template(
         [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
     )
     head, found, tail = probe.partition(_SENTINEL)
     specials = [s for s in tokenizer.all_special_tokens if s]
-    starts = [head.rfind(s) for s in specials if s in head]
-    ends = [tail.find(s) + len(s) for s in specials if s in tail]
-    if not found or not starts or not ends:
-        return [text]
+    starts = [head.rfind(s) for s in specials if s in head] or [0]
+    ends = [tail.find(s) + len(s) for s in specials if s in tail] or [len(tail)]
     opener, closer = head[max(starts) :], tail[: min(ends)]
-    pattern = re.escape(opener) + "(.*?)" + re.escape(closer)
-    return re.findall(pattern, text, flags=re.DOTALL) or [text]
+    if not found or not opener or not closer:
+        return []
+    text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    return re.findall(re.escape(opener) + "(.*?)" + re.escape(closer), text, flags=re.DOTALL)
 
 
 def read_raw_queries(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

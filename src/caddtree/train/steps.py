@@ -60,8 +60,9 @@ class Loop:
 
 
 WARM_STEPS = 2
-"""The first steps of a call are read back one at a time: the first (warm-up, compilation) gives
-a cautious pace, the second a real one, before windows of ``log_every`` steps take over."""
+"""The first steps of a call are read back one at a time and set no pace: the first one warms up
+(compilation, allocation) and the second is the first real one. Until both are read back, the call
+goes on a step at a time while time is left, on the schedule as asked."""
 
 
 class Clock:
@@ -71,7 +72,13 @@ class Clock:
     def __init__(self, deadline: float | None) -> None:
         self.deadline = deadline
         self.step_s: float | None = None  # the latest window's mean (evaluations, saves excluded)
+        self.windows = 0  # windows read back so far
         self.reserve = {"evaluate": 0.0, "save": 0.0}  # the latest of each
+
+    def observe(self, step_s: float | None) -> None:
+        """The mean seconds a step of the window just read back took."""
+        if step_s is not None:
+            self.step_s, self.windows = step_s, self.windows + 1
 
     def timed(self, kind: str, work: Callable[[], Any]) -> Any:
         began = time.perf_counter()
@@ -83,11 +90,12 @@ class Clock:
     def limits(self, step: int, end: int, steps: int) -> tuple[int, int]:
         """The step this call ends at (at most ``end``) and the schedule's total (at most
         ``steps``), from the latest pace: a step is started only if it can finish, and be
-        evaluated and saved, by the deadline. Before the pace is known, one step at a time."""
+        evaluated and saved, by the deadline. Until the warm-up steps are read back
+        (``WARM_STEPS``), one step at a time while time is left."""
         if self.deadline is None:
             return end, steps
         left = self.deadline - time.monotonic() - sum(self.reserve.values())
-        if self.step_s is None:
+        if self.step_s is None or self.windows < WARM_STEPS:
             return min(end, step + 1 if left > 0 else step), steps
         fits = max(0, int(left / max(self.step_s, 1e-9)))
         return min(end, step + fits), min(steps, max(step + fits, step + 1))
@@ -119,7 +127,7 @@ def run_steps(loop: Loop, log: list[dict], start: int, end: int, progress: bool)
             step += 1
             if not _window_ends(config, step, start, last, bool(loop.eval_ids)):
                 continue
-            clock.step_s = pending.read_back()
+            clock.observe(pending.read_back())
             last, total = clock.limits(step, end, config.steps)
             bar.total = total
             # a call cut short by its deadline ends evaluated; with a deadline, the first step is
@@ -164,20 +172,35 @@ def _evaluate(loop: Loop) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _signals_held() -> Any:
-    """Hold SIGINT and SIGTERM back (on the main thread, where the system allows) until the
-    block ends, so an interrupt never lands between the log and its file."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "pthread_sigmask"
-    ):
+def _signals_deferred() -> Any:
+    """Defer SIGINT and SIGTERM until the block ends, so an interrupt never lands between the log
+    and its file: their handlers only record the signal meanwhile (Python runs them on the main
+    thread whichever thread the system delivered to), and the first one recorded is handled as
+    it would have been once the block is over. Off the main thread, where handlers cannot be
+    set, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[int] = []
+    previous = {
+        kind: signal.signal(kind, lambda signum, frame: caught.append(signum))
+        for kind in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
+        if caught:
+            _deliver(caught[0], previous[caught[0]])
+
+
+def _deliver(signum: int, handler: Any) -> None:
+    """Handle a deferred signal as ``handler`` would have."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        signal.raise_signal(signum)
 
 
 class _Pending:
@@ -204,24 +227,25 @@ class _Pending:
             return None
         stacked = _stack_figures(self.entries)
         step_s = (time.perf_counter() - self.since) / len(self.entries)
-        with _signals_held():
-            for entry, figures in zip(self.entries, stacked):
+        with _signals_deferred():
+            entries, self.entries = self.entries, []
+            for entry, figures in zip(entries, stacked):
                 self.read.append({**entry, **figures, "step_s": round(step_s, 3)})
-            self.entries = []
         return step_s
 
     def write(self, evaluation: dict[str, Any]) -> None:
         """Append the entries read back (the last one with ``evaluation``) to the file, then to
-        the log, both or neither."""
+        the log, both or neither, and each once: entries whose file write failed are not tried
+        again (the file may hold a part of them; the log never does)."""
         if not self.read:
             return
-        read = self.read
-        read[-1].update(evaluation)
-        with _signals_held():
+        with _signals_deferred():
+            read, self.read = self.read, []
+            read[-1].update(evaluation)
+            text = "".join(json.dumps(e) + "\n" for e in read)
             with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write("".join(json.dumps(e) + "\n" for e in read))
+                fh.write(text)
             self.log.extend(read)
-            self.read = []
         last = read[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['train_accept']:.2f}")
         self.bar.update(len(read))

@@ -19,7 +19,9 @@ import numpy as np
 from .errors import CaddtreeError, InvalidInputError
 
 # The decoding methods: one round loop, four tree policies (caddtree.engine.decoding).
-METHODS = ("ar", "dflash", "ddtree", "caddtree")
+METHODS = ("ar", "dflash", "ddtree", "caddtree", "lookup")
+DRAFTLESS_METHODS = ("ar", "lookup")
+"""The methods that need no drafter: plain decoding, and copies from the context alone."""
 DEFAULT_DDTREE_BUDGET = 64
 """The node budget of ``method="ddtree"`` when none is given (every front door's default)."""
 RUNTIMES = ("auto", "compiled", "lean", "transformers")
@@ -31,6 +33,7 @@ yet)."""
 
 __all__ = [
     "DEFAULT_DDTREE_BUDGET",
+    "DRAFTLESS_METHODS",
     "METHODS",
     "RUNTIMES",
     "check_method",

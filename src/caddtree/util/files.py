@@ -10,6 +10,7 @@ every file private to its owner, which breaks a cache or a results folder shared
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import stat
@@ -32,6 +33,8 @@ __all__ = [
     "new_file_mode",
     "replace_directory",
 ]
+
+logger = logging.getLogger(__name__)
 
 STALE_BUILD_SECONDS = 6 * 3600
 """A build directory left this long by :func:`atomic_directory` belongs to a process that died."""
@@ -91,24 +94,39 @@ XZ = ".xz"
 
 def packed_path(path: str | os.PathLike[str]) -> Path | None:
     """The file that holds ``path``: ``path`` itself, else ``path.xz`` (the compressed copy that
-    is committed in its place), else None."""
+    is committed in its place), else None. Where both are there, the newer one, with a warning
+    (a run directory's plain file normally grew from its ``.xz``; an ``.xz`` copied in later
+    is newer)."""
     path = Path(path)
-    if path.is_file():
-        return path
     packed = path.with_name(path.name + XZ)
-    return packed if packed.is_file() else None
+    if not packed.is_file():
+        return path if path.is_file() else None
+    if not path.is_file():
+        return packed
+    newer, older = (
+        (path, packed) if path.stat().st_mtime >= packed.stat().st_mtime else (packed, path)
+    )
+    logger.warning("both %s and %s are there: reading the newer, %s", path, packed.name, newer)
+    return newer
 
 
 def read_packed(path: str | os.PathLike[str]) -> bytes | None:
     """The bytes of :func:`packed_path` (decompressed where it ends with ``.xz``); None when
-    neither file exists."""
+    neither file exists. A damaged ``.xz`` is a :class:`CaddtreeError` that names it."""
     import lzma
 
     found = packed_path(path)
     if found is None:
         return None
     raw = found.read_bytes()
-    return lzma.decompress(raw) if found.name.endswith(XZ) else raw
+    if not found.name.endswith(XZ):
+        return raw
+    try:
+        return lzma.decompress(raw)
+    except lzma.LZMAError as exc:
+        raise CaddtreeError(
+            f"{found} is not a complete xz file ({exc}): copy it again, or remove it"
+        ) from None
 
 
 def write_packed(path: str | os.PathLike[str], data: bytes) -> Path:

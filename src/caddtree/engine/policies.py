@@ -1,0 +1,271 @@
+"""Tree policies: how a round's draft tree is chosen (:class:`TreePolicy`), one per method.
+
+========  ===================  ==================================================
+method    policy               tree per round
+========  ===================  ==================================================
+ar        :class:`NoTree`      empty: the target verifies only the bonus token
+dflash    :class:`Chain`       the drafter's top-1 token at each position
+ddtree    :class:`Budget`      the top-``budget`` prefixes (Eq. phistar)
+caddtree  :class:`CostAware`   the top-``n*`` prefixes, ``n*`` by Algorithm 1
+lookup    :class:`Lookup`      a chain copied from the context (no drafter)
+========  ===================  ==================================================
+
+With ``lookup`` (DDTree and CaDDTree), copies from the request's context
+(:class:`ContextCopies`) join the drafter's nodes on one scale (:mod:`caddtree.core.merged`).
+:func:`build_tree` builds a round's tree of any policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ..core.candidates import Candidates
+from ..core.copies import ContextIndex, CopyRates, CopyTrie, copy_trie
+from ..core.merged import MergedSource, build_merged
+from ..core.tree import DraftTree, build_caddtree, build_chain, build_ddtree
+from ..util.checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
+from ..util.errors import InvalidInputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..core.candidates import DraftInput
+    from ..core.cost import CostModel
+    from ..models.drafts import DraftLogits
+
+__all__ = [
+    "LOOKUP_TOKENS",
+    "Budget",
+    "Chain",
+    "ContextCopies",
+    "CostAware",
+    "Lookup",
+    "NoTree",
+    "TreePolicy",
+    "build_tree",
+    "chain_tree",
+    "make_policy",
+]
+
+
+class TreePolicy(Protocol):
+    """Chooses the draft tree of a round from the drafter's logits. ``reserve_nodes`` is how
+    many tree nodes a call reserves cache room for after the output (a tree may still be larger:
+    the cache then grows); ``reach`` how deep its trees can go (``None``: as deep as the
+    draft), so a batched drafter pass drafts no deeper than that. With ``lookup``, the round's
+    copies from the context (:class:`ContextCopies`) join the drafter's nodes: ``limits`` gives
+    the merged expansion its most nodes and, for a cost-aware stop, the round's cost per size
+    (:func:`caddtree.core.merged.build_merged`)."""
+
+    name: str
+    needs_drafter: bool
+    reserve_nodes: int
+    reach: int | None
+    lookup: bool
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree: ...
+
+    def limits(self, context_length: int) -> tuple[int, list[float] | None]: ...
+
+
+@dataclass(frozen=True)
+class NoTree:
+    """Plain autoregressive decoding: no drafter, an empty tree."""
+
+    name: str = "ar"
+    needs_drafter: bool = False
+    reserve_nodes: int = 0
+    reach: int | None = 0
+    lookup: bool = False
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
+        return DraftTree.empty()
+
+    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+        return 0, None
+
+
+LOOKUP_TOKENS = 10
+"""The most tokens method ``lookup`` copies a round (transformers' ``prompt_lookup_num_tokens``
+default)."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Prompt-lookup decoding: no drafter; the tree is one chain copied from the context (the
+    continuation most of the suffix's recent occurrences share, the newest on a tie), at most
+    :data:`LOOKUP_TOKENS` deep."""
+
+    name: str = "lookup"
+    needs_drafter: bool = False
+    reserve_nodes: int = LOOKUP_TOKENS
+    reach: int | None = 0
+    lookup: bool = True
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
+        return DraftTree.empty()
+
+    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+        return LOOKUP_TOKENS, None
+
+
+@dataclass(frozen=True)
+class Chain:
+    """DFlash: the drafter's top-1 token at every position."""
+
+    name: str = "dflash"
+    needs_drafter: bool = True
+    reserve_nodes: int = DEFAULT_DDTREE_BUDGET
+    reach: int | None = None
+    lookup: bool = False
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
+        return build_chain(draft_logits)
+
+    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+        return 0, None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """DDTree: the ``budget`` most probable prefixes."""
+
+    budget: int
+    name: str = "ddtree"
+    needs_drafter: bool = True
+    lookup: bool = False
+
+    @property
+    def reserve_nodes(self) -> int:
+        return self.budget
+
+    @property
+    def reach(self) -> int:
+        return self.budget  # a tree of n nodes is at most n deep
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
+        return build_ddtree(draft_logits, self.budget)
+
+    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+        return self.budget, None
+
+
+@dataclass(frozen=True)
+class CostAware:
+    """CaDDTree: the size that maximises surrogate throughput under ``cost_model``."""
+
+    cost_model: CostModel
+    max_budget: int = 1024
+    name: str = "caddtree"
+    needs_drafter: bool = True
+    lookup: bool = False
+
+    @property
+    def reserve_nodes(self) -> int:
+        return self.max_budget
+
+    @property
+    def reach(self) -> int:
+        return self.max_budget
+
+    def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
+        return build_caddtree(draft_logits, self.cost_model, context_length, self.max_budget)
+
+    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+        costs = self.cost_model.round_cost_table(context_length, self.max_budget)
+        return self.max_budget, costs.tolist()
+
+
+def make_policy(
+    method: str,
+    *,
+    budget: int | None = None,
+    cost_model: CostModel | None = None,
+    max_budget: int = 1024,
+    lookup: bool = False,
+) -> TreePolicy:
+    """The tree policy of ``method`` (one of :data:`METHODS`), with a clear error for missing or
+    meaningless arguments. ``lookup``: DDTree's and CaDDTree's trees take copies from the
+    context too (method ``lookup`` always does, alone)."""
+    check_method(method)
+    if lookup and method not in ("ddtree", "caddtree", "lookup"):
+        raise InvalidInputError(
+            f"lookup adds copies from the context to the trees of ddtree and caddtree, not of "
+            f"{method!r}; use one of those, or method 'lookup' for copies alone"
+        )
+    if method == "ddtree":
+        if budget is None:
+            raise InvalidInputError("method 'ddtree' needs a node budget (e.g. budget=64)")
+        check_int("the ddtree budget", budget)
+        return Budget(int(budget), lookup=bool(lookup))
+    if budget is not None:
+        raise InvalidInputError(f"a node budget only applies to method 'ddtree', not {method!r}")
+    if method == "caddtree":
+        if cost_model is None:
+            raise InvalidInputError(
+                "method 'caddtree' needs a cost model: pass cost_model= (a CostModel or a file from "
+                "`caddtree profile` / ConvexCostModel.fit(...).save())"
+            )
+        return CostAware(cost_model, check_int("max_budget", max_budget), lookup=bool(lookup))
+    return {"dflash": Chain, "lookup": Lookup}.get(method, NoTree)()
+
+
+def build_tree(
+    policy: TreePolicy,
+    draft: DraftLogits | None,
+    context_length: int,
+    trie: CopyTrie | None = None,
+) -> DraftTree:
+    """The round's tree of ``policy`` from ``draft`` (empty without one) and, where the policy
+    takes them, the copies of ``trie``, in target ids."""
+    if trie is not None and policy.lookup:
+        if policy.name == "lookup":
+            return chain_tree(trie)
+        cands = Candidates(draft) if draft is not None else None
+        source = MergedSource(cands, trie, draft.token_map if draft is not None else None)
+        max_nodes, costs = policy.limits(context_length)
+        return build_merged([source], max_nodes, costs)[0]
+    if draft is None:
+        return DraftTree.empty()
+    return draft.in_target_ids(policy.build(draft, context_length))
+
+
+def chain_tree(trie: CopyTrie) -> DraftTree:
+    """The chain of ``trie`` (:meth:`~caddtree.core.copies.CopyTrie.chain`) as a tree."""
+    nodes = trie.chain()
+    scores = np.cumsum([trie.log_conditional[v] for v in nodes])
+    count = len(nodes)
+    return DraftTree(
+        [trie.tokens[v] for v in nodes],
+        np.arange(count) - 1,
+        np.arange(1, count + 1),
+        scores,
+        np.full(count, -1),
+        np.ones(count, dtype=bool),
+    )
+
+
+@dataclass
+class ContextCopies:
+    """One request's copies from its context: the index of its prompt and output (the bonus
+    token last), its acceptance rates (pooled into ``rates.prior``), and the round's trie."""
+
+    index: ContextIndex
+    rates: CopyRates
+    trie: CopyTrie | None = None
+
+    @classmethod
+    def start(cls, tokens: Sequence[int], pooled: CopyRates | None) -> ContextCopies:
+        return cls(ContextIndex(tokens), CopyRates(prior=pooled))
+
+    def propose(self, depth: int) -> CopyTrie | None:
+        """The round's trie, at most ``depth`` deep."""
+        self.trie = copy_trie(self.index, self.rates, depth)
+        return self.trie
+
+    def commit(self, chosen: Sequence[int], kept: Sequence[int]) -> None:
+        """Learn from the target's ``chosen`` tokens below the bonus; add the ``kept`` ones."""
+        self.rates.observe(self.trie, chosen)
+        self.index.extend(kept)
