@@ -327,3 +327,20 @@ def test_copies_from_the_context_are_accepted_and_counted(qwen3, drafter):
         assert all(r.copied_accepted <= min(r.accepted, r.copied) for r in stats.per_round)
         if method == "lookup":
             assert stats.tau > 1 and stats.accepted_tokens == stats.copied_accepted_tokens
+        else:  # the random drafter helps little: the gate leaves it out of some rounds only
+            alone = [math.isnan(r.confidence) and not r.projected for r in stats.per_round]
+            assert any(alone) and not all(alone)
+
+
+def test_the_draft_gate_skips_drafting_only_where_copies_promise_more_and_explores():
+    from caddtree.engine.policies import DraftGate
+
+    gate = DraftGate()
+    assert not gate.skip(1e9)  # nothing measured yet: draft
+    for _ in range(3):
+        gate.observe(3, 0.01)  # drafting delivers 300 tokens a second
+    assert not gate.skip(299.0) and gate.skip(301.0)
+    assert not gate.skip(0.0)  # a round that drafts ends the run of skipped ones
+    skips = [gate.skip(1e9) for _ in range(2 * (DraftGate.EXPLORE + 1))]
+    # after EXPLORE rounds in a row without the drafter, one drafts to measure it again
+    assert skips == ([True] * DraftGate.EXPLORE + [False]) * 2

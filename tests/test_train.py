@@ -208,7 +208,7 @@ def test_the_newer_of_a_plain_file_and_its_xz_is_read_and_a_damaged_xz_is_named(
     write_packed(packed, b"new\n")
     plain.write_bytes(b"stale\n")
     os.utime(plain, (1, 1))  # older than the .xz copied in beside it
-    assert read_packed(plain) == b"new\n" and "reading the newer" in caplog.text
+    assert read_packed(plain) == b"new\n" and "is newer than raw.jsonl" in caplog.text
     plain.write_bytes(b"grown\n")  # the run's plain file grew after the .xz
     assert read_packed(plain) == b"grown\n"
     plain.unlink()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from ..core.copies import CopyRates
+from ..core.copies import CopyRates, CopyTrie
 from ..core.sampling import Sampler, TokenContext, walk_tree
 from ..core.tree import DraftTree, verification_rows
 from ..util.checks import check_int
@@ -34,10 +34,12 @@ from .policies import (
     Chain,
     ContextCopies,
     CostAware,
+    DraftGate,
     Lookup,
     NoTree,
     TreePolicy,
     build_tree,
+    copies_alone,
     make_policy,
 )
 from .stats import GenerationResult, GenerationStats, RoundStats
@@ -248,6 +250,8 @@ class _Loop:
     max_new_tokens: int
     pooled: CopyRates | None = None  # the copies' rates pooled over requests (lookup)
     copies: ContextCopies | None = None
+    gate: DraftGate | None = None  # CaDDTree with lookup: whether a round drafts at all
+    unseen: list[torch.Tensor] = field(default_factory=list)  # features the drafter has not read
     output: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
 
@@ -268,6 +272,7 @@ class _Loop:
         )
         if self.policy.lookup:
             self.copies = ContextCopies.start([*prompt, self.output[0]], self.pooled)
+            self.gate = DraftGate() if self.policy.name == "caddtree" else None
         return logits, features
 
     def cut(self, tokens: list[int]) -> tuple[int, str | None]:
@@ -276,32 +281,54 @@ class _Loop:
         room = self.max_new_tokens - len(self.output)
         return stop_point(tokens, room, self.stops, self.criteria, self.context)
 
-    def propose(self, bonus: int, features: torch.Tensor) -> DraftLogits | None:
+    def propose(self, bonus: int) -> DraftLogits | None:
         """The drafter's logits for this round (``None`` when it does not draft: AR, or a last
-        token whose tree could not commit)."""
+        token whose tree could not commit), from the features it has not read yet."""
         max_depth = self.max_new_tokens - len(self.output) - 1  # deeper nodes cannot commit
         if not self.policy.needs_drafter or max_depth <= 0:
             return None
+        features = self.unseen[0] if len(self.unseen) == 1 else torch.cat(self.unseen, 1)
+        self.unseen = []
         draft = self.proposer.propose(bonus, features)[:max_depth]
         _sync(self.verifier.device)
         return draft
 
-    def build(self, draft: DraftLogits | None) -> DraftTree:
-        """The round's tree, in target ids: the drafter's and, with lookup, the copies'."""
-        trie = None
-        if self.copies is not None:
-            room = self.max_new_tokens - len(self.output) - 1  # deeper nodes cannot commit
-            reach = draft.shape[0] if draft is not None else self.policy.reserve_nodes
-            trie = self.copies.propose(min(room, reach))
-        return build_tree(self.policy, draft, self.verifier.context_length, trie)
+    def copy_trie(self) -> CopyTrie | None:
+        """This round's copies from the context (lookup), as deep as a draft could go."""
+        if self.copies is None:
+            return None
+        room = self.max_new_tokens - len(self.output) - 1  # deeper nodes cannot commit
+        drafts = self.policy.needs_drafter and self.proposer is not None
+        reach = self.proposer.block_size - 1 if drafts else self.policy.reserve_nodes
+        return self.copies.propose(min(room, reach))
+
+    def copies_alone(self, trie: CopyTrie | None, context_length: int) -> DraftTree | None:
+        """With the draft gate, the round's tree of copies alone where they promise more than
+        drafting has been delivering (:class:`~caddtree.engine.policies.DraftGate`); ``None``
+        when the drafter runs."""
+        if self.gate is None:
+            return None
+        tree, theta = copies_alone(self.policy, trie, context_length)
+        return tree if self.gate.skip(theta) else None
+
+    def draft_and_build(self, bonus: int, context_length: int) -> tuple[Any, DraftTree, float]:
+        """The round's draft (``None`` without one) and tree, in target ids (the drafter's and,
+        with lookup, the copies'), and the seconds the drafter's pass took."""
+        trie = self.copy_trie()
+        alone = self.copies_alone(trie, context_length)
+        if alone is not None:
+            return None, alone, 0.0
+        t0 = time.perf_counter()
+        draft = self.propose(bonus)
+        propose_s = time.perf_counter() - t0
+        return draft, build_tree(self.policy, draft, context_length, trie), propose_s
 
     def round(self, bonus: int, features: torch.Tensor) -> _RoundOutcome:
         """One round after ``bonus``: draft, build, verify, walk, commit."""
         verifier, context_length = self.verifier, self.verifier.context_length
         t0 = time.perf_counter()
-        draft = self.propose(bonus, features)
-        t1 = time.perf_counter()
-        tree = self.build(draft)
+        self.unseen.append(features)
+        draft, tree, propose_s = self.draft_and_build(bonus, context_length)
         confidence = _confidence(tree, draft)
         t2 = time.perf_counter()
         project_s = draft.project_s if draft is not None else 0.0
@@ -323,14 +350,17 @@ class _Loop:
         self.output.extend(tokens)
         stats = RoundStats.of_walk(tree, nodes, len(tokens), context_length)
         stats.draft_s, stats.tree_s, stats.verify_s = (
-            t1 - t0 + project_s,
-            t2 - t1 - project_s,
+            propose_s + project_s,
+            t2 - t0 - propose_s - project_s,
             t3 - t2,
         )
         stats.confidence, stats.project_s, stats.forward_s = confidence, project_s, t_forward - t2
         stats.projected = draft.projected if draft is not None else 0
         stats.round_s = time.perf_counter() - t0
         self.rounds.append(stats)
+        if self.gate is not None and draft is not None:
+            _, costs = self.policy.limits(context_length)
+            self.gate.observe(len(tokens), costs[len(tree)])
         rows = verification_rows(nodes)[:keep]  # where the kept tokens were chosen
         return _RoundOutcome(tree, stats, tokens, logits, rows, next_bonus, features, stop_reason)
 

@@ -17,6 +17,7 @@ With ``lookup`` (DDTree and CaDDTree), copies from the request's context
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -41,11 +42,13 @@ __all__ = [
     "Chain",
     "ContextCopies",
     "CostAware",
+    "DraftGate",
     "Lookup",
     "NoTree",
     "TreePolicy",
     "build_tree",
     "chain_tree",
+    "copies_alone",
     "make_policy",
 ]
 
@@ -67,7 +70,9 @@ class TreePolicy(Protocol):
 
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree: ...
 
-    def limits(self, context_length: int) -> tuple[int, list[float] | None]: ...
+    def limits(
+        self, context_length: int, drafting: bool = True
+    ) -> tuple[int, list[float] | None]: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ class NoTree:
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return DraftTree.empty()
 
-    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+    def limits(self, context_length: int, drafting: bool = True) -> tuple[int, list[float] | None]:
         return 0, None
 
 
@@ -107,7 +112,7 @@ class Lookup:
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return DraftTree.empty()
 
-    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+    def limits(self, context_length: int, drafting: bool = True) -> tuple[int, list[float] | None]:
         return LOOKUP_TOKENS, None
 
 
@@ -124,7 +129,7 @@ class Chain:
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_chain(draft_logits)
 
-    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+    def limits(self, context_length: int, drafting: bool = True) -> tuple[int, list[float] | None]:
         return 0, None
 
 
@@ -148,7 +153,7 @@ class Budget:
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_ddtree(draft_logits, self.budget)
 
-    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+    def limits(self, context_length: int, drafting: bool = True) -> tuple[int, list[float] | None]:
         return self.budget, None
 
 
@@ -173,8 +178,12 @@ class CostAware:
     def build(self, draft_logits: DraftInput, context_length: int) -> DraftTree:
         return build_caddtree(draft_logits, self.cost_model, context_length, self.max_budget)
 
-    def limits(self, context_length: int) -> tuple[int, list[float] | None]:
+    def limits(self, context_length: int, drafting: bool = True) -> tuple[int, list[float] | None]:
+        """The most nodes and the round's cost per size (without the drafter's pass where it
+        does not run)."""
         costs = self.cost_model.round_cost_table(context_length, self.max_budget)
+        if not drafting:
+            costs = costs - self.cost_model.draft_cost
         return self.max_budget, costs.tolist()
 
 
@@ -245,6 +254,43 @@ def chain_tree(trie: CopyTrie) -> DraftTree:
         np.full(count, -1),
         np.ones(count, dtype=bool),
     )
+
+
+def copies_alone(policy: TreePolicy, trie: CopyTrie | None, context_length: int):
+    """The round's CaDDTree tree of ``trie``'s copies alone, priced without a drafter pass, and
+    its surrogate throughput ``theta = (1 + Phi(n)) / C_v(n)``."""
+    max_nodes, costs = policy.limits(context_length, drafting=False)
+    tree = build_merged([MergedSource(None, trie)], max_nodes, costs)[0]
+    return tree, (1.0 + tree.phi) / costs[len(tree)]
+
+
+class DraftGate:
+    """Whether a CaDDTree round with copies from the context runs the drafter at all: not when
+    the copies alone promise more tokens per second (their surrogate, priced without the
+    drafter's pass) than the recent rounds that drafted delivered (tokens committed over their
+    modelled cost). Every :data:`EXPLORE` rounds in a row without it, one drafts again, so that
+    what drafting delivers stays measured."""
+
+    EXPLORE = 8
+    RECENT = 16
+
+    def __init__(self) -> None:
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=self.RECENT)
+        self.skipped = 0
+
+    def skip(self, theta_copies: float) -> bool:
+        if len(self.drafted) < 3 or self.skipped >= self.EXPLORE:
+            self.skipped = 0
+            return False
+        tokens = sum(t for t, _ in self.drafted)
+        seconds = sum(s for _, s in self.drafted)
+        skip = theta_copies >= tokens / seconds
+        self.skipped = self.skipped + 1 if skip else 0
+        return skip
+
+    def observe(self, tokens: int, modelled_seconds: float) -> None:
+        """A round that drafted committed ``tokens`` at a modelled cost of ``modelled_seconds``."""
+        self.drafted.append((tokens, modelled_seconds))
 
 
 @dataclass

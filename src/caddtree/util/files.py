@@ -94,20 +94,17 @@ XZ = ".xz"
 
 def packed_path(path: str | os.PathLike[str]) -> Path | None:
     """The file that holds ``path``: ``path`` itself, else ``path.xz`` (the compressed copy that
-    is committed in its place), else None. Where both are there, the newer one, with a warning
-    (a run directory's plain file normally grew from its ``.xz``; an ``.xz`` copied in later
-    is newer)."""
+    is committed in its place), else None. Where both are there, the newer one: a run
+    directory's plain file normally grew from its ``.xz``; an ``.xz`` copied in later is newer,
+    and is read with a warning that names the plain file it passes over."""
     path = Path(path)
     packed = path.with_name(path.name + XZ)
     if not packed.is_file():
         return path if path.is_file() else None
-    if not path.is_file():
-        return packed
-    newer, older = (
-        (path, packed) if path.stat().st_mtime >= packed.stat().st_mtime else (packed, path)
-    )
-    logger.warning("both %s and %s are there: reading the newer, %s", path, packed.name, newer)
-    return newer
+    if not path.is_file() or path.stat().st_mtime >= packed.stat().st_mtime:
+        return path if path.is_file() else packed
+    logger.warning("%s is newer than %s beside it: reading the .xz", packed, path.name)
+    return packed
 
 
 def read_packed(path: str | os.PathLike[str]) -> bytes | None:
