@@ -305,14 +305,17 @@ def test_bench_runs_methods_with_copies_from_the_context(bench_inputs, tmp_path)
         assert r["matches_ar"] is (None if r["method"] == "ar" else True), r["method"]
         assert r["lookup"] is (r["method"] == "caddtree+lookup")
         copied = r["copied_accepted"]
-        if r["lookup"]:
+        if r["method"] != "ar":
             assert len(copied) == r["rounds"] and all(
                 0 <= c <= a for c, a in zip(copied, r["accepted"])
             )
         else:
             assert copied is None
-    md = write_report(out, tmp_path / "report")
-    assert "caddtree+lookup" in (tmp_path / "report" / "report.md").read_text() and md
+    assert write_report(out, tmp_path / "report")
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "caddtree+lookup" in report and "Copies from the context, temperature 0" in report
+    table = report.split("Copies from the context, temperature 0")[1].split("\n\n")[1]
+    assert "| lookup |" in table and "| caddtree+lookup |" in table and "| ar |" not in table
 
 
 def test_bench_sampling_and_bad_input(bench_inputs, tmp_path, capsys):

@@ -373,7 +373,9 @@ def make_record(
         "tau": sum(committed) / len(committed) if committed else None,
         "budgets": [r.budget for r in rounds],
         "accepted": [r.accepted for r in rounds],
-        "copied_accepted": [r.copied_accepted for r in rounds] if spec.lookup else None,
+        "copied_accepted": (
+            [r.copied_accepted for r in rounds] if spec.lookup or spec.family == "lookup" else None
+        ),
         "committed": committed,
         "context_lengths": [r.context_length for r in rounds],
         "confidence": [None if math.isnan(r.confidence) else r.confidence for r in rounds],

@@ -88,6 +88,10 @@ class MethodSummary:
     # (the prefill excluded, as llama-bench's token generation excludes its depth); None when no
     # record has ``prefill_s``
     decode_ms_per_token: float | None = None
+    # copies from the context (records with ``copied_accepted``): accepted copied nodes per
+    # round, and their share of the tokens committed in rounds; None for a method without them
+    copied_per_round: float | None = None
+    copied_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,8 @@ def _summarise(key: tuple[float, str, str], recs: list[dict[str, Any]]) -> Metho
     verdicts = [r.get("matches_ar") for r in recs if r.get("matches_ar") is not None]
     dtypes = {r.get("dtype") for r in recs}
     decode = [ms for ms in map(_decode_ms, recs) if ms is not None]
+    copied = [c for r in recs for c in (r.get("copied_accepted") or [])]
+    has_copies = any(r.get("copied_accepted") is not None for r in recs)
     first = recs[0]
     return MethodSummary(
         temperature=t,
@@ -233,6 +239,8 @@ def _summarise(key: tuple[float, str, str], recs: list[dict[str, Any]]) -> Metho
         speedup=None,
         dtype=dtypes.pop() if len(dtypes) == 1 else None,
         decode_ms_per_token=float(np.median(decode)) if decode else None,
+        copied_per_round=sum(copied) / n_rounds if has_copies and n_rounds else None,
+        copied_share=sum(copied) / committed if has_copies and committed else None,
     )
 
 

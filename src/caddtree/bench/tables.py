@@ -430,13 +430,46 @@ def method_table(agg: Aggregates, temperature: float) -> Table:
     )
 
 
+def lookup_table(agg: Aggregates, temperature: float) -> Table | None:
+    """Copies from the context: for each method with lookup, per dataset, tau, the accepted
+    copied nodes per round and their share of the tokens committed in rounds. ``None`` without
+    records of such methods."""
+    rows = [
+        [
+            _text(dataset_name(d)),
+            _text(s.method),
+            _num(s.tau),
+            _num(s.copied_per_round),
+            Cell(f"{100 * s.copied_share:.0f}%", f"{100 * s.copied_share:.0f}\\%"),
+        ]
+        for d in agg.datasets(temperature)
+        for s in agg.methods(temperature, d)
+        if s.copied_share is not None
+    ]
+    if not rows:
+        return None
+    t = temperature_label(temperature)
+    return Table(
+        key=f"lookup_T{t}",
+        title=f"Copies from the context, temperature {t}",
+        caption=(
+            f"Methods with copies from the context at temperature~{t}: pooled $\\tau$, accepted "
+            "copied nodes per round, and their share of the tokens committed in rounds."
+        ),
+        columns=["Dataset", "Method", "τ", "copied accepted / round", "share of τ"],
+        rows=rows,
+        latex_spec="llccc",
+        latex_header=r"Dataset & Method & $\tau$ & copied / round & share \\",
+    )
+
+
 def all_tables(agg: Aggregates) -> list[Table]:
     """Every table the data supports, temperature by temperature: Table 1, Table 2 and Table 3
     (when their ablation records exist) and the full per-method table."""
     out: list[Table] = []
     for t in agg.temperatures():
         out.append(table1(agg, t))
-        for extra in (ablation_table(agg, t), sensitivity_table(agg, t)):
+        for extra in (ablation_table(agg, t), sensitivity_table(agg, t), lookup_table(agg, t)):
             if extra is not None:
                 out.append(extra)
         out.append(method_table(agg, t))
