@@ -10,7 +10,9 @@ For each ``--max-batch`` and ``--batch-budget`` it starts ``caddtree serve`` on 
 clients' threads here do not share its interpreter), and for each method and concurrency C sends
 ``--requests`` streamed chat requests (temperature 0, ``max_tokens`` each, EOS ignored so every
 request makes the same number of tokens), C at a time, with the real ``openai`` client. A method
-is ``ar``, ``dflash``, ``caddtree`` or ``ddtree:N`` (DDTree with a fixed budget of N nodes); the
+is ``ar``, ``dflash``, ``caddtree``, ``ddtree:N`` (DDTree with a fixed budget of N nodes) or
+``lookup`` (prompt lookup), a ddtree or caddtree one ending in ``+lookup`` with copies from the
+context in its trees; the
 batch budget (``joint`` or ``per-request``) only changes CaDDTree, so a server of any budget but
 the first runs only ``caddtree``. An untimed warm-up request of each method comes first.
 
@@ -80,9 +82,12 @@ class Served:
 
 
 def method_body(method: str) -> dict:
-    """The request fields of a method name (``ddtree:8``: DDTree with a budget of 8 nodes)."""
-    name, _, budget = method.partition(":")
-    return {"method": name, **({"budget": int(budget)} if budget else {})}
+    """The request fields of a method name (``ddtree:8``: DDTree with a budget of 8 nodes; a name
+    ending in ``+lookup``: with copies from the context in its trees; ``lookup``: copies alone)."""
+    base = method.removesuffix("+lookup")
+    name, _, budget = base.partition(":")
+    body = {"method": name, **({"budget": int(budget)} if budget else {})}
+    return {**body, "lookup": True} if base != method else body
 
 
 def one_request(served: Served, prompt: str, method: str, max_tokens: int) -> dict:
