@@ -41,7 +41,7 @@ from ..util.errors import InvalidInputError
 from .batch_cost import BatchCostModel
 from .decoding import RoundStats, check_prompt, stop_point
 from .joint_budget import JointBudget
-from .policies import LOOKUP_TOKENS, ContextCopies, build_tree
+from .policies import LOOKUP_TOKENS, ContextCopies, DraftGate, build_tree, copies_alone
 from .requests import GenerationRequest
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
@@ -59,16 +59,33 @@ class _Running:
     features: list[torch.Tensor]  # in order; joined only when the drafter reads them
     context: TokenContext | None
     copies: ContextCopies | None = None  # its copies from the context (lookup)
+    gate: DraftGate | None = None  # CaDDTree with lookup: whether a round drafts at all
+    drafted_cost: float | None = None  # this round's modelled cost, where it drafted
 
-    def copy_trie(self, draft: DraftLogits | None, block: int) -> CopyTrie | None:
-        """This round's copies (lookup), as deep as its draft (else as its policy reaches, at most
-        ``block`` deep) and what is left of its output allow."""
+    def copy_trie(self, block: int) -> CopyTrie | None:
+        """This round's copies (lookup), as deep as its policy reaches (at most ``block``, the
+        drafter's positions) and what is left of its output allow."""
         if self.copies is None:
             return None
         request = self.request
         room = request.max_new_tokens - len(request.output) - 1
-        reach = draft.shape[0] if draft is not None else min(block, request.policy.reserve_nodes)
-        return self.copies.propose(min(room, reach))
+        return self.copies.propose(min(room, block, request.policy.reserve_nodes))
+
+    def copies_suffice(self) -> bool:
+        """Whether this round leaves the drafter out: the copies alone promise more than its
+        drafted rounds have delivered (:class:`~caddtree.engine.policies.DraftGate`)."""
+        if self.gate is None:
+            return False
+        _, theta = copies_alone(self.request.policy, self.copies.trie, self.length)
+        return self.gate.skip(theta)
+
+    def note_draft(self, tree: DraftTree | None) -> None:
+        """Remember this round's modelled cost where it drafted ``tree`` (``None``: it did not)."""
+        if self.gate is None or tree is None:
+            self.drafted_cost = None
+            return
+        _, costs = self.request.policy.limits(self.length)
+        self.drafted_cost = costs[len(tree)]
 
     def walk(
         self,
@@ -93,6 +110,8 @@ class _Running:
             return None
         if self.copies is not None:
             self.copies.commit(tokens, tokens[:committed])
+        if self.drafted_cost is not None:
+            self.gate.observe(committed, self.drafted_cost)
         rows = verification_rows(nodes)
         move = (running.slot, running.length, rows)
         running.length += len(rows)
@@ -214,10 +233,11 @@ class BatchDecoder:
         bonus = sampler.choose(logits[-1], context.ids() if context is not None else None)
         if self.proposer is not None:
             self.proposer.reset(slot)
-        copies = None
+        copies = gate = None
         if request.policy.lookup:
             copies = ContextCopies.start([*prompt, bonus], self.copy_rates)
-        return _Running(request, slot, len(prompt), bonus, [features], context, copies)
+            gate = DraftGate() if request.policy.name == "caddtree" else None
+        return _Running(request, slot, len(prompt), bonus, [features], context, copies, gate)
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request (propose, build, verify, walk, commit); returns
@@ -284,12 +304,14 @@ class BatchDecoder:
         joint round in the skip window), each block as deep as its tree can reach."""
         wanted = {}
         joint_reach = self.joint.reach() if joint else None
+        block = self.proposer.block_size - 1 if self.proposer is not None else LOOKUP_TOKENS
         for running in self._running:
             request = running.request
             max_depth = request.max_new_tokens - len(request.output) - 1
             for reach in (getattr(request.policy, "reach", None), joint_reach):
                 max_depth = max_depth if reach is None else min(max_depth, reach)
-            if request.policy.needs_drafter and max_depth > 0:
+            running.copy_trie(block)
+            if request.policy.needs_drafter and max_depth > 0 and not running.copies_suffice():
                 wanted[running.slot] = max_depth
         if not wanted or self.joint.skip_round(self._policies()):
             return [None] * len(self._running)
@@ -314,8 +336,7 @@ class BatchDecoder:
         """Every request's tree: from the joint budget, or each from its own policy; each cut to
         what is left of its slot (the best-first order's first nodes: still a tree)."""
         running = self._running
-        block = self.proposer.block_size - 1 if self.proposer is not None else LOOKUP_TOKENS
-        tries = [r.copy_trie(d, block) for r, d in zip(running, drafts)]
+        tries = [r.copies.trie if r.copies is not None else None for r in running]
         if joint:
             trees = self.joint.trees(drafts, [r.length for r in running], tries)
         else:
@@ -323,7 +344,10 @@ class BatchDecoder:
                 build_tree(r.request.policy, d, r.length, trie)
                 for r, d, trie in zip(running, drafts, tries)
             ]
-        return [_first_nodes(t, self.capacity - r.length - 1) for r, t in zip(running, trees)]
+        trees = [_first_nodes(t, self.capacity - r.length - 1) for r, t in zip(running, trees)]
+        for r, d, t in zip(running, drafts, trees):
+            r.note_draft(t if d is not None else None)
+        return trees
 
     def _rows(self, trees: list[DraftTree]) -> Rows:
         """The rows of one target forward verifying every request's tree in its own slot."""
