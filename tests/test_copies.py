@@ -209,3 +209,31 @@ def test_joint_trees_take_the_best_nodes_of_all_requests():
     trees = build_merged(sources, 9)
     per_request = [sum(1 for _, r in union[:9] if r == k) for k in range(3)]
     assert [len(t) for t in trees] == per_request
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_merged_expansion_reads_past_the_first_candidates(seed):
+    """A vocabulary above the candidates read at first (FIRST_K = 32): rows are widened as the
+    expansion goes, and the order is still brute force's."""
+    rng = np.random.default_rng(500 + seed)
+    logits, trie = random_case(rng, 40, 2, 3)
+    scored = brute_force(logits, trie)
+    n = 600
+    (tree,) = build_merged([MergedSource(Candidates(logits), trie)], n)
+    assert tree_paths(tree) == [path for _, path in scored[:n]]
+    assert sum(1 for k in range(n) if tree.depths[k] == 1) > 32  # past the first read
+
+
+def test_a_topk_draft_gives_no_mass_outside_its_candidates():
+    from caddtree.core.candidates import TopK
+
+    log_q = np.log(np.array([[0.5, 0.3], [0.6, 0.2]]))
+    topk = TopK(log_q, np.array([[4, 2], [1, 4]]))
+    trie = CopyTrie(order=1)
+    trie.add([7, 1])  # 7 is outside the drafter's candidates; 1 is its top-1 at depth 2
+    trie.log_conditional = [0.0, math.log(0.4), math.log(0.1)]
+    (tree,) = build_merged([MergedSource(Candidates(topk), trie)], 10)
+    nodes = dict(zip(tree_paths(tree), tree.log_probs.tolist()))
+    assert nodes[(7,)] == pytest.approx(math.log(0.4))  # the copy's alone
+    assert nodes[(7, 1)] == pytest.approx(math.log(0.4 * 0.6))  # the drafter's larger
+    assert nodes[(4,)] == pytest.approx(math.log(0.5)) and (9,) not in nodes

@@ -332,6 +332,27 @@ def test_copies_from_the_context_are_accepted_and_counted(qwen3, drafter):
             assert any(alone) and not all(alone)
 
 
+def test_rounds_without_the_drafter_hand_it_their_features_later(qwen3, drafter):
+    """Where the gate leaves the drafter out, the features of those rounds' tokens wait: each
+    pass extends the drafter's context exactly to the target's."""
+    from caddtree.models import TreeVerifier
+    from tiny_models import FEATURE_LAYER_IDS
+
+    verifier = TreeVerifier(qwen3, FEATURE_LAYER_IDS)
+    proposer = DFlashProposer(drafter, qwen3)
+    real, seen = proposer.propose, []
+
+    def propose(bonus, features):
+        seen.append(proposer.context_length + features.shape[1] == verifier.context_length)
+        return real(bonus, features)
+
+    proposer.propose = propose
+    policy = make_policy("caddtree", cost_model=cost_models()[0], lookup=True)
+    result = decode(verifier, PROMPTS[0], policy, proposer=proposer, max_new_tokens=50)
+    assert result.token_ids == hf_generate(qwen3, PROMPTS[0], 50, do_sample=False)
+    assert seen and all(seen) and len(seen) < result.stats.rounds  # some rounds skipped it
+
+
 def test_the_draft_gate_skips_drafting_only_where_copies_promise_more_and_explores():
     from caddtree.engine.policies import DraftGate
 

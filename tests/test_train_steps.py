@@ -220,3 +220,17 @@ def test_a_failed_write_is_not_written_twice(monkeypatch, tmp_path):
     pending.read_back()
     pending.write({})
     assert [e["step"] for e in log] == [4] and file_log(tmp_path) == log
+
+
+def test_a_handler_set_outside_python_is_left_as_it_is(monkeypatch, tmp_path):
+    import signal
+
+    real = signal.getsignal
+    monkeypatch.setattr(
+        steps.signal, "getsignal", lambda k: None if k == signal.SIGTERM else real(k)
+    )
+    before = real(signal.SIGTERM)
+    pending, log = pending_with_entries(tmp_path)
+    pending.read_back()
+    pending.write({})
+    assert [e["step"] for e in log] == [1, 2, 3] and real(signal.SIGTERM) is before

@@ -213,7 +213,12 @@ def _run_prompt(
     keep_trees: bool = False,
     max_new_tokens: int | None = None,
 ) -> _Outcome:
-    """Run one method on one (possibly multi-turn) prompt."""
+    """Run one method on one (possibly multi-turn) prompt. Copies' acceptance rates (lookup)
+    start afresh for each, so a record does not depend on what ran before it."""
+    from ..core.copies import CopyRates
+
+    if spec.lookup or spec.family == "lookup":
+        gen.copy_rates = CopyRates()
     max_new = max_new_tokens or config.max_new_tokens
     has_template = getattr(gen.tokenizer, "chat_template", None) is not None
     limit = gen.verifier.max_positions

@@ -71,7 +71,7 @@ class MergedSource:
 
     def _draft_id(self, token: int) -> int:
         if self._inverse is None:
-            self._inverse = {int(t): i for i, t in enumerate(self.to_target.tolist())}
+            self._inverse = _inverse_map(self.to_target)
         return self._inverse.get(token, -1)
 
     def _target(self, draft_id: int) -> int:
@@ -155,6 +155,21 @@ class MergedSource:
             return DraftTree.empty()
         tokens, parents, depths, scores, ranks, copied = zip(*self.nodes)
         return DraftTree(tokens, parents, depths, scores, ranks, np.array(copied, dtype=bool))
+
+
+_INVERSES: dict[int, tuple[np.ndarray, dict[int, int]]] = {}
+
+
+def _inverse_map(to_target: np.ndarray) -> dict[int, int]:
+    """The draft id of each target id of ``to_target``, built once per map (a drafter's)."""
+    cached = _INVERSES.get(id(to_target))
+    if cached is not None and cached[0] is to_target:
+        return cached[1]
+    if len(_INVERSES) >= 8:
+        _INVERSES.clear()
+    inverse = {int(t): i for i, t in enumerate(to_target.tolist())}
+    _INVERSES[id(to_target)] = (to_target, inverse)
+    return inverse
 
 
 def build_merged(

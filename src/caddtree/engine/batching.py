@@ -61,6 +61,7 @@ class _Running:
     copies: ContextCopies | None = None  # its copies from the context (lookup)
     gate: DraftGate | None = None  # CaDDTree with lookup: whether a round drafts at all
     drafted_cost: float | None = None  # this round's modelled cost, where it drafted
+    alone: DraftTree | None = None  # this round's tree of copies alone, where the gate chose it
 
     def copy_trie(self, block: int) -> CopyTrie | None:
         """This round's copies (lookup), as deep as its policy reaches (at most ``block``, the
@@ -74,10 +75,13 @@ class _Running:
     def copies_suffice(self) -> bool:
         """Whether this round leaves the drafter out: the copies alone promise more than its
         drafted rounds have delivered (:class:`~caddtree.engine.policies.DraftGate`)."""
+        self.alone = None
         if self.gate is None:
             return False
-        _, theta = copies_alone(self.request.policy, self.copies.trie, self.length)
-        return self.gate.skip(theta)
+        tree, theta = copies_alone(self.request.policy, self.copies.trie, self.length)
+        if self.gate.skip(theta):
+            self.alone = tree
+        return self.alone is not None
 
     def note_draft(self, tree: DraftTree | None) -> None:
         """Remember this round's modelled cost where it drafted ``tree`` (``None``: it did not)."""
@@ -341,7 +345,7 @@ class BatchDecoder:
             trees = self.joint.trees(drafts, [r.length for r in running], tries)
         else:
             trees = [
-                build_tree(r.request.policy, d, r.length, trie)
+                r.alone if r.alone is not None else build_tree(r.request.policy, d, r.length, trie)
                 for r, d, trie in zip(running, drafts, tries)
             ]
         trees = [_first_nodes(t, self.capacity - r.length - 1) for r, t in zip(running, trees)]

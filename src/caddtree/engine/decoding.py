@@ -231,9 +231,9 @@ def _confidence(tree: DraftTree, draft: DraftLogits | None) -> float:
     its confidence is read from position 1's logits, not dropped from the analysis."""
     if draft is None:
         return math.nan
-    if len(tree):
+    if len(tree) and tree.copied is None:
         return math.exp(float(tree.log_probs[0]))
-    return draft.confidence()
+    return draft.confidence()  # node 0 of a tree with copies may be a copy's
 
 
 @dataclass
@@ -298,8 +298,8 @@ class _Loop:
         if self.copies is None:
             return None
         room = self.max_new_tokens - len(self.output) - 1  # deeper nodes cannot commit
-        drafts = self.policy.needs_drafter and self.proposer is not None
-        reach = self.proposer.block_size - 1 if drafts else self.policy.reserve_nodes
+        block = getattr(self.proposer, "block_size", None) if self.policy.needs_drafter else None
+        reach = block - 1 if block else self.policy.reserve_nodes
         return self.copies.propose(min(room, reach))
 
     def copies_alone(self, trie: CopyTrie | None, context_length: int) -> DraftTree | None:
@@ -327,7 +327,8 @@ class _Loop:
         """One round after ``bonus``: draft, build, verify, walk, commit."""
         verifier, context_length = self.verifier, self.verifier.context_length
         t0 = time.perf_counter()
-        self.unseen.append(features)
+        if self.policy.needs_drafter and self.proposer is not None:
+            self.unseen.append(features)  # for the drafter's next pass
         draft, tree, propose_s = self.draft_and_build(bonus, context_length)
         confidence = _confidence(tree, draft)
         t2 = time.perf_counter()

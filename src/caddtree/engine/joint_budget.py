@@ -237,7 +237,8 @@ def _joint_trees(
         MergedSource(Candidates(d) if d is not None else None, trie, getattr(d, "token_map", None))
         for d, trie in zip(drafts, tries)
     ]
-    return build_merged(sources, max_nodes, costs[: max_nodes + 1].tolist(), len(drafts) / kappa)
+    taking = sum(1 for d, trie in zip(drafts, tries) if d is not None or trie is not None)
+    return build_merged(sources, max_nodes, costs[: max_nodes + 1].tolist(), taking / kappa)
 
 
 class _CostMisses:

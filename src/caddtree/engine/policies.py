@@ -261,7 +261,7 @@ def copies_alone(policy: TreePolicy, trie: CopyTrie | None, context_length: int)
     its surrogate throughput ``theta = (1 + Phi(n)) / C_v(n)``."""
     max_nodes, costs = policy.limits(context_length, drafting=False)
     tree = build_merged([MergedSource(None, trie)], max_nodes, costs)[0]
-    return tree, (1.0 + tree.phi) / costs[len(tree)]
+    return tree, (1.0 + tree.phi) / max(costs[len(tree)], 1e-12)
 
 
 class DraftGate:

@@ -182,9 +182,10 @@ def _signals_deferred() -> Any:
         yield
         return
     caught: list[int] = []
+    kinds = [k for k in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(k) is not None]
+    # (a handler not set from Python reads as None and could not be put back: left as it is)
     previous = {
-        kind: signal.signal(kind, lambda signum, frame: caught.append(signum))
-        for kind in (signal.SIGINT, signal.SIGTERM)
+        kind: signal.signal(kind, lambda signum, frame: caught.append(signum)) for kind in kinds
     }
     try:
         yield
