@@ -237,3 +237,14 @@ def test_a_topk_draft_gives_no_mass_outside_its_candidates():
     assert nodes[(7,)] == pytest.approx(math.log(0.4))  # the copy's alone
     assert nodes[(7, 1)] == pytest.approx(math.log(0.4 * 0.6))  # the drafter's larger
     assert nodes[(4,)] == pytest.approx(math.log(0.5)) and (9,) not in nodes
+
+
+def test_the_prior_trusts_longer_matches_and_later_tokens_more():
+    from caddtree.core.copies import prior_rate
+
+    for depth in (1, 2, 5):
+        assert [prior_rate(o, depth) for o in (1, 2, 3, 4)] == sorted(
+            prior_rate(o, depth) for o in (1, 2, 3, 4)
+        )
+    assert prior_rate(2, 1) < prior_rate(2, 2) < prior_rate(2, 3) == prior_rate(2, 9) <= 0.95
+    assert CopyRates().rate(4, 1) == pytest.approx(prior_rate(4, 1))

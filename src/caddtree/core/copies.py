@@ -31,6 +31,7 @@ __all__ = [
     "CopyRates",
     "CopyTrie",
     "copy_trie",
+    "prior_rate",
 ]
 
 MAX_ORDER = 4
@@ -43,6 +44,17 @@ MAX_DEPTH_BUCKET = 8
 """Copied tokens this deep or deeper share one acceptance estimate."""
 
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+PRIOR_BY_ORDER = (0.0, 0.35, 0.6, 0.7, 0.85)
+"""Where a pool's estimate starts, by suffix order: longer matches are accepted more often, and
+a copy's later tokens more than its first (:func:`prior_rate`; docs/design.md, "Copies from the
+context", for where these come from)."""
+
+
+def prior_rate(order: int, depth: int) -> float:
+    """The starting estimate of a copied token at ``depth`` of a suffix of ``order`` tokens."""
+    base = PRIOR_BY_ORDER[min(order, MAX_ORDER)]
+    return min(0.95, base + 0.1 * (min(depth, 3) - 1))
 
 
 class ContextIndex:
@@ -177,10 +189,10 @@ class CopyRates:
     """How often the target accepts a copied token whose parent it accepted, by suffix order and
     depth: counts of trials and hits, shrunk towards ``prior`` (a pooled :class:`CopyRates`, e.g.
     over a batch's requests or a generator's calls) by ``strength`` pseudo-trials; without a prior,
-    towards ``default``."""
+    towards ``default`` (``None``: :func:`prior_rate`)."""
 
     def __init__(
-        self, prior: CopyRates | None = None, strength: float = 4.0, default: float = 0.3
+        self, prior: CopyRates | None = None, strength: float = 4.0, default: float | None = None
     ) -> None:
         self.prior, self.strength, self.default = prior, strength, default
         shape = (MAX_ORDER + 1, MAX_DEPTH_BUCKET + 1)
@@ -189,7 +201,10 @@ class CopyRates:
     def rate(self, order: int, depth: int) -> float:
         """The estimate for a copied token at ``depth`` of a suffix of ``order`` tokens."""
         o, d = min(order, MAX_ORDER), min(depth, MAX_DEPTH_BUCKET)
-        base = self.prior.rate(o, d) if self.prior is not None else self.default
+        if self.prior is not None:
+            base = self.prior.rate(o, d)
+        else:
+            base = prior_rate(o, d) if self.default is None else self.default
         rate = (self.hits[o, d] + self.strength * base) / (self.trials[o, d] + self.strength)
         return min(max(rate, 1e-4), 1.0 - 1e-4)
 
