@@ -134,6 +134,15 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max()) if len(self) else 0
 
+    def head(self, count: int) -> DraftTree:
+        """The first ``count`` nodes (all of them if there are no more): in best-first order
+        every node's parent comes before it, so they form a tree."""
+        if len(self) <= count:
+            return self
+        fields = ("token_ids", "parents", "depths", "log_probs", "ranks", "copied")
+        cut = {f: getattr(self, f)[:count] for f in fields if getattr(self, f) is not None}
+        return replace(self, **cut)
+
     def map_tokens(self, table: np.ndarray) -> DraftTree:
         """The same tree with every token id ``t`` replaced by ``table[t]`` (draft vocabulary ids
         to target ids)."""

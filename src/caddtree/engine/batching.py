@@ -41,7 +41,7 @@ from ..util.errors import InvalidInputError
 from .batch_cost import BatchCostModel
 from .decoding import RoundStats, check_prompt, stop_point
 from .joint_budget import JointBudget
-from .policies import LOOKUP_TOKENS, ContextCopies, DraftGate, build_tree, copies_alone
+from .policies import LOOKUP_TOKENS, ContextCopies, build_tree
 from .requests import GenerationRequest
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
@@ -59,8 +59,6 @@ class _Running:
     features: list[torch.Tensor]  # in order; joined only when the drafter reads them
     context: TokenContext | None
     copies: ContextCopies | None = None  # its copies from the context (lookup)
-    gate: DraftGate | None = None  # CaDDTree with lookup: whether a round drafts at all
-    drafted_cost: float | None = None  # this round's modelled cost, where it drafted
     alone: DraftTree | None = None  # this round's tree of copies alone, where the gate chose it
 
     def copy_trie(self, block: int) -> CopyTrie | None:
@@ -75,21 +73,9 @@ class _Running:
     def copies_suffice(self) -> bool:
         """Whether this round leaves the drafter out: the copies alone promise more than its
         drafted rounds have delivered (:class:`~caddtree.engine.policies.DraftGate`)."""
-        self.alone = None
-        if self.gate is None:
-            return False
-        tree, theta = copies_alone(self.request.policy, self.copies.trie, self.length)
-        if self.gate.skip(theta):
-            self.alone = tree
+        copies = self.copies
+        self.alone = copies.alone(self.request.policy, self.length) if copies else None
         return self.alone is not None
-
-    def note_draft(self, tree: DraftTree | None) -> None:
-        """Remember this round's modelled cost where it drafted ``tree`` (``None``: it did not)."""
-        if self.gate is None or tree is None:
-            self.drafted_cost = None
-            return
-        _, costs = self.request.policy.limits(self.length)
-        self.drafted_cost = costs[len(tree)]
 
     def walk(
         self,
@@ -114,8 +100,6 @@ class _Running:
             return None
         if self.copies is not None:
             self.copies.commit(tokens, tokens[:committed])
-        if self.drafted_cost is not None:
-            self.gate.observe(committed, self.drafted_cost)
         rows = verification_rows(nodes)
         move = (running.slot, running.length, rows)
         running.length += len(rows)
@@ -237,11 +221,10 @@ class BatchDecoder:
         bonus = sampler.choose(logits[-1], context.ids() if context is not None else None)
         if self.proposer is not None:
             self.proposer.reset(slot)
-        copies = gate = None
+        copies = None
         if request.policy.lookup:
-            copies = ContextCopies.start([*prompt, bonus], self.copy_rates)
-            gate = DraftGate() if request.policy.name == "caddtree" else None
-        return _Running(request, slot, len(prompt), bonus, [features], context, copies, gate)
+            copies = ContextCopies.start([*prompt, bonus], self.copy_rates, request.policy)
+        return _Running(request, slot, len(prompt), bonus, [features], context, copies)
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request (propose, build, verify, walk, commit); returns
@@ -348,9 +331,10 @@ class BatchDecoder:
                 r.alone if r.alone is not None else build_tree(r.request.policy, d, r.length, trie)
                 for r, d, trie in zip(running, drafts, tries)
             ]
-        trees = [_first_nodes(t, self.capacity - r.length - 1) for r, t in zip(running, trees)]
+        trees = [t.head(self.capacity - r.length - 1) for r, t in zip(running, trees)]
         for r, d, t in zip(running, drafts, trees):
-            r.note_draft(t if d is not None else None)
+            if r.copies is not None:
+                r.copies.note_draft(r.request.policy, r.length, t if d is not None else None)
         return trees
 
     def _rows(self, trees: list[DraftTree]) -> Rows:
@@ -389,19 +373,3 @@ class BatchDecoder:
 
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-
-
-def _first_nodes(tree: DraftTree, count: int) -> DraftTree:
-    """The first ``count`` nodes of ``tree`` (all of them if it has no more): in best-first order
-    every node's parent comes before it, so they form a tree."""
-    if len(tree) <= count:
-        return tree
-    copied = tree.copied[:count] if tree.copied is not None else None
-    return DraftTree(
-        tree.token_ids[:count],
-        tree.parents[:count],
-        tree.depths[:count],
-        tree.log_probs[:count],
-        tree.ranks[:count],
-        copied,
-    )

@@ -34,12 +34,10 @@ from .policies import (
     Chain,
     ContextCopies,
     CostAware,
-    DraftGate,
     Lookup,
     NoTree,
     TreePolicy,
     build_tree,
-    copies_alone,
     make_policy,
 )
 from .stats import GenerationResult, GenerationStats, RoundStats
@@ -250,7 +248,6 @@ class _Loop:
     max_new_tokens: int
     pooled: CopyRates | None = None  # the copies' rates pooled over requests (lookup)
     copies: ContextCopies | None = None
-    gate: DraftGate | None = None  # CaDDTree with lookup: whether a round drafts at all
     unseen: list[torch.Tensor] = field(default_factory=list)  # features the drafter has not read
     output: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
@@ -271,8 +268,7 @@ class _Loop:
             self.sampler.choose(logits, context.ids() if self.sampler.needs_context else None)
         )
         if self.policy.lookup:
-            self.copies = ContextCopies.start([*prompt, self.output[0]], self.pooled)
-            self.gate = DraftGate() if self.policy.name == "caddtree" else None
+            self.copies = ContextCopies.start([*prompt, self.output[0]], self.pooled, self.policy)
         return logits, features
 
     def cut(self, tokens: list[int]) -> tuple[int, str | None]:
@@ -302,26 +298,22 @@ class _Loop:
         reach = block - 1 if block else self.policy.reserve_nodes
         return self.copies.propose(min(room, reach))
 
-    def copies_alone(self, trie: CopyTrie | None, context_length: int) -> DraftTree | None:
-        """With the draft gate, the round's tree of copies alone where they promise more than
-        drafting has been delivering (:class:`~caddtree.engine.policies.DraftGate`); ``None``
-        when the drafter runs."""
-        if self.gate is None:
-            return None
-        tree, theta = copies_alone(self.policy, trie, context_length)
-        return tree if self.gate.skip(theta) else None
-
     def draft_and_build(self, bonus: int, context_length: int) -> tuple[Any, DraftTree, float]:
         """The round's draft (``None`` without one) and tree, in target ids (the drafter's and,
         with lookup, the copies'), and the seconds the drafter's pass took."""
         trie = self.copy_trie()
-        alone = self.copies_alone(trie, context_length)
+        copies = self.copies
+        alone = copies.alone(self.policy, context_length) if copies is not None else None
         if alone is not None:
+            copies.note_draft(self.policy, context_length, None)
             return None, alone, 0.0
         t0 = time.perf_counter()
         draft = self.propose(bonus)
         propose_s = time.perf_counter() - t0
-        return draft, build_tree(self.policy, draft, context_length, trie), propose_s
+        tree = build_tree(self.policy, draft, context_length, trie)
+        if copies is not None:
+            copies.note_draft(self.policy, context_length, tree if draft is not None else None)
+        return draft, tree, propose_s
 
     def round(self, bonus: int, features: torch.Tensor) -> _RoundOutcome:
         """One round after ``bonus``: draft, build, verify, walk, commit."""
@@ -359,9 +351,6 @@ class _Loop:
         stats.projected = draft.projected if draft is not None else 0
         stats.round_s = time.perf_counter() - t0
         self.rounds.append(stats)
-        if self.gate is not None and draft is not None:
-            _, costs = self.policy.limits(context_length)
-            self.gate.observe(len(tokens), costs[len(tree)])
         rows = verification_rows(nodes)[:keep]  # where the kept tokens were chosen
         return _RoundOutcome(tree, stats, tokens, logits, rows, next_bonus, features, stop_reason)
 

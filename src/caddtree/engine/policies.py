@@ -296,22 +296,46 @@ class DraftGate:
 @dataclass
 class ContextCopies:
     """One request's copies from its context: the index of its prompt and output (the bonus
-    token last), its acceptance rates (pooled into ``rates.prior``), and the round's trie."""
+    token last), its acceptance rates (pooled into ``rates.prior``), the round's trie, and for
+    CaDDTree the draft gate (whether a round drafts at all) with the round's modelled cost where
+    it drafted."""
 
     index: ContextIndex
     rates: CopyRates
+    gate: DraftGate | None = None
     trie: CopyTrie | None = None
+    drafted_cost: float | None = None
 
     @classmethod
-    def start(cls, tokens: Sequence[int], pooled: CopyRates | None) -> ContextCopies:
-        return cls(ContextIndex(tokens), CopyRates(prior=pooled))
+    def start(
+        cls, tokens: Sequence[int], pooled: CopyRates | None, policy: TreePolicy
+    ) -> ContextCopies:
+        gate = DraftGate() if policy.name == "caddtree" else None
+        return cls(ContextIndex(tokens), CopyRates(prior=pooled), gate)
 
     def propose(self, depth: int) -> CopyTrie | None:
         """The round's trie, at most ``depth`` deep."""
         self.trie = copy_trie(self.index, self.rates, depth)
         return self.trie
 
+    def alone(self, policy: TreePolicy, context_length: int) -> DraftTree | None:
+        """The round's tree of copies alone where the gate leaves the drafter out (the copies
+        promise more than drafting has been delivering); ``None`` when the drafter runs."""
+        if self.gate is None:
+            return None
+        tree, theta = copies_alone(policy, self.trie, context_length)
+        return tree if self.gate.skip(theta) else None
+
+    def note_draft(self, policy: TreePolicy, context_length: int, tree: DraftTree | None) -> None:
+        """Remember the round's modelled cost where it drafted ``tree`` (``None``: it did not)."""
+        self.drafted_cost = None
+        if self.gate is not None and tree is not None:
+            self.drafted_cost = policy.limits(context_length)[1][len(tree)]
+
     def commit(self, chosen: Sequence[int], kept: Sequence[int]) -> None:
-        """Learn from the target's ``chosen`` tokens below the bonus; add the ``kept`` ones."""
+        """Learn from the target's ``chosen`` tokens below the bonus; add the ``kept`` ones; and
+        where the round drafted, tell the gate what it delivered."""
         self.rates.observe(self.trie, chosen)
         self.index.extend(kept)
+        if self.drafted_cost is not None:
+            self.gate.observe(len(kept), self.drafted_cost)
