@@ -161,7 +161,7 @@ def test_the_joint_budget_keeps_every_request_lossless(qwen3, drafter, max_batch
         target, drafter, max_batch=max_batch, capacity=64, joint_cost_model=COST, joint_max_nodes=24
     )
     caddtree = make_policy("caddtree", cost_model=COST, max_budget=24, lookup=lookup)
-    lengths = [14, 22, 9, 30, 17]
+    lengths = [14, 22, 9, 44, 12]
     todo = [GenerationRequest(p, caddtree, n) for p, n in zip(PROMPTS, lengths)]
     seen, rounds = [], []
     original, step = batch.joint.trees, batch.step

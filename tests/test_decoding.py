@@ -358,10 +358,22 @@ def test_the_draft_gate_skips_drafting_only_where_copies_promise_more_and_explor
 
     gate = DraftGate()
     assert not gate.skip(1e9)  # nothing measured yet: draft
-    for _ in range(3):
+    for _ in range(DraftGate.WARM - 1):
         gate.observe(3, 0.01)  # drafting delivers 300 tokens a second
+        assert not gate.skip(1e9)  # too few drafted rounds measured yet
+    gate.observe(3, 0.01)
     assert not gate.skip(299.0) and gate.skip(301.0)
     assert not gate.skip(0.0)  # a round that drafts ends the run of skipped ones
-    skips = [gate.skip(1e9) for _ in range(2 * (DraftGate.EXPLORE + 1))]
-    # after EXPLORE rounds in a row without the drafter, one drafts to measure it again
-    assert skips == ([True] * DraftGate.EXPLORE + [False]) * 2
+
+    def run_of_skips() -> int:
+        n = 0
+        while gate.skip(1e9):
+            n += 1
+        return n
+
+    # after `interval` rounds in a row without the drafter, one drafts to measure it again; where
+    # the copies still win after it, the interval doubles, up to MAX_EXPLORE
+    runs = [run_of_skips() for _ in range(5)]
+    assert runs == [8, 16, 32, 64, 64] and DraftGate.EXPLORE == 8 and DraftGate.MAX_EXPLORE == 64
+    gate.observe(30, 0.01)  # the exploring round delivered a lot: drafting wins again
+    assert not gate.skip(1000.0) and gate.interval == DraftGate.EXPLORE

@@ -41,7 +41,7 @@ from ..util.errors import InvalidInputError
 from .batch_cost import BatchCostModel
 from .decoding import RoundStats, check_prompt, stop_point
 from .joint_budget import JointBudget
-from .policies import LOOKUP_TOKENS, ContextCopies, build_tree
+from .policies import ContextCopies, build_tree, copy_depth
 from .requests import GenerationRequest
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
@@ -61,14 +61,15 @@ class _Running:
     copies: ContextCopies | None = None  # its copies from the context (lookup)
     alone: DraftTree | None = None  # this round's tree of copies alone, where the gate chose it
 
-    def copy_trie(self, block: int) -> CopyTrie | None:
-        """This round's copies (lookup), as deep as its policy reaches (at most ``block``, the
-        drafter's positions) and what is left of its output allow."""
+    def copy_trie(self) -> CopyTrie | None:
+        """This round's copies (lookup), as deep as its policy and what is left of its output
+        allow (:func:`~caddtree.engine.policies.copy_depth`)."""
         if self.copies is None:
             return None
         request = self.request
-        room = request.max_new_tokens - len(request.output) - 1
-        return self.copies.propose(min(room, block, request.policy.reserve_nodes))
+        return self.copies.propose(
+            copy_depth(request.policy, request.max_new_tokens - len(request.output) - 1)
+        )
 
     def copies_suffice(self) -> bool:
         """Whether this round leaves the drafter out: the copies alone promise more than its
@@ -291,13 +292,12 @@ class BatchDecoder:
         joint round in the skip window), each block as deep as its tree can reach."""
         wanted = {}
         joint_reach = self.joint.reach() if joint else None
-        block = self.proposer.block_size - 1 if self.proposer is not None else LOOKUP_TOKENS
         for running in self._running:
             request = running.request
             max_depth = request.max_new_tokens - len(request.output) - 1
             for reach in (getattr(request.policy, "reach", None), joint_reach):
                 max_depth = max_depth if reach is None else min(max_depth, reach)
-            running.copy_trie(block)
+            running.copy_trie()
             if request.policy.needs_drafter and max_depth > 0 and not running.copies_suffice():
                 wanted[running.slot] = max_depth
         if not wanted or self.joint.skip_round(self._policies()):

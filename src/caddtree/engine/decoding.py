@@ -38,6 +38,7 @@ from .policies import (
     NoTree,
     TreePolicy,
     build_tree,
+    copy_depth,
     make_policy,
 )
 from .stats import GenerationResult, GenerationStats, RoundStats
@@ -294,9 +295,7 @@ class _Loop:
         if self.copies is None:
             return None
         room = self.max_new_tokens - len(self.output) - 1  # deeper nodes cannot commit
-        block = getattr(self.proposer, "block_size", None) if self.policy.needs_drafter else None
-        reach = block - 1 if block else self.policy.reserve_nodes
-        return self.copies.propose(min(room, reach))
+        return self.copies.propose(copy_depth(self.policy, room))
 
     def draft_and_build(self, bonus: int, context_length: int) -> tuple[Any, DraftTree, float]:
         """The round's draft (``None`` without one) and tree, in target ids (the drafter's and,

@@ -49,6 +49,8 @@ __all__ = [
     "build_tree",
     "chain_tree",
     "copies_alone",
+    "COPY_REACH",
+    "copy_depth",
     "make_policy",
 ]
 
@@ -90,6 +92,17 @@ class NoTree:
 
     def limits(self, context_length: int, drafting: bool = True) -> tuple[int, list[float] | None]:
         return 0, None
+
+
+COPY_REACH = 32
+"""The deepest a copied branch goes in a tree the drafter's nodes join (copied nodes need no
+drafter position, so they may go past the drafter's block)."""
+
+
+def copy_depth(policy: TreePolicy, room: int) -> int:
+    """How deep a round's copies go: no deeper than the output has ``room`` for, and at most
+    :data:`COPY_REACH` beside a drafter, or method ``lookup``'s chain."""
+    return min(room, COPY_REACH if policy.needs_drafter else policy.reserve_nodes)
 
 
 LOOKUP_TOKENS = 10
@@ -268,23 +281,35 @@ class DraftGate:
     """Whether a CaDDTree round with copies from the context runs the drafter at all: not when
     the copies alone promise more tokens per second (their surrogate, priced without the
     drafter's pass) than the recent rounds that drafted delivered (tokens committed over their
-    modelled cost). Every :data:`EXPLORE` rounds in a row without it, one drafts again, so that
-    what drafting delivers stays measured."""
+    modelled cost). The first :data:`WARM` rounds draft; after ``interval`` rounds in a row
+    without the drafter, one drafts again so that what drafting delivers stays measured, and
+    where that round does not change the choice the interval doubles (from :data:`EXPLORE` up
+    to :data:`MAX_EXPLORE`), so a drafter that keeps losing to the copies costs ever fewer
+    rounds."""
 
+    WARM = 2
     EXPLORE = 8
+    MAX_EXPLORE = 64
     RECENT = 16
 
     def __init__(self) -> None:
         self.drafted: deque[tuple[int, float]] = deque(maxlen=self.RECENT)
         self.skipped = 0
+        self.interval = self.EXPLORE
+        self.exploring = False
 
     def skip(self, theta_copies: float) -> bool:
-        if len(self.drafted) < 3 or self.skipped >= self.EXPLORE:
-            self.skipped = 0
+        if len(self.drafted) < self.WARM:
+            return False
+        if self.skipped >= self.interval:
+            self.skipped, self.exploring = 0, True
             return False
         tokens = sum(t for t, _ in self.drafted)
         seconds = sum(s for _, s in self.drafted)
         skip = theta_copies >= tokens / seconds
+        if self.exploring:
+            self.exploring = False
+            self.interval = min(2 * self.interval, self.MAX_EXPLORE) if skip else self.EXPLORE
         self.skipped = self.skipped + 1 if skip else 0
         return skip
 
