@@ -1,12 +1,9 @@
 """The benchmark harness (`caddtree bench`) on the tiny float64 pair: records, losslessness,
-multi-turn prompts, resuming, and a 2-process torchrun (gloo) run."""
+multi-turn prompts and resuming (under torchrun: test_bench_ranks.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -342,32 +339,6 @@ def test_bench_sampling_and_bad_input(bench_inputs, tmp_path, capsys):
         bad_prompts.write_text(bad + "\n")
         assert main([*_args(bench_inputs, out), "--prompts", str(bad_prompts)]) == 2
         assert "line 1" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
-def test_bench_data_parallel_with_torchrun(bench_inputs, bench_run, tmp_path):
-    out = tmp_path / "dp.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        "-m",
-        "caddtree.cli",
-        *_args(bench_inputs, out, "--methods", "ar", "dflash", "caddtree", "--no-warmup"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    recs = read_records(out)
-    assert len(recs) == 2 * 3
-    assert not list(Path(tmp_path).glob("dp.rank*.jsonl"))  # merged on rank 0, parts removed
-    single = {(r["prompt_index"], r["method"]): r["output_sha"] for r in read_records(bench_run)}
-    for r in recs:  # each prompt ran on one rank; the outputs equal the 1-process run's
-        assert r["output_sha"] == single[(r["prompt_index"], r["method"])]
-        assert r["matches_ar"] is (None if r["method"] == "ar" else True)
 
 
 # ---- plain decoding in other dtypes (the speed-up baseline is the fastest of them) ---------------

@@ -13,6 +13,7 @@ from typing import Any
 from ..arguments import add_runtime_arguments
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
+from .data_parallel import DistInfo, barrier, init_distributed
 from .methods import (
     DEFAULT_BUDGETS,
     DEFAULT_METHODS,
@@ -20,14 +21,8 @@ from .methods import (
     default_ar_dtypes,
     parse_methods,
 )
-from .runner import (
-    BenchConfig,
-    DistInfo,
-    barrier,
-    generator_dtype,
-    init_distributed,
-    run_bench,
-)
+from .results import load_meta, meta_path, mixed_machines
+from .runner import BenchConfig, generator_dtype, run_bench
 
 __all__ = ["add_arguments", "cli_main"]
 
@@ -279,6 +274,9 @@ def _print_summary(args: Any, records: list[dict[str, Any]], info: DistInfo) -> 
 
     if info.rank == 0:
         print(summary_table(records))
+        mixed = mixed_machines(load_meta(meta_path(args.out)))
+        if mixed:
+            print(f"note: these timings pool different machines ({mixed})", file=sys.stderr)
         print(
             f"\nresults: {args.out} ({len(records)} records); tables and figures: "
             f"caddtree report {args.out}",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..util.errors import CaddtreeError, MissingDependencyError
+from ..util.errors import CaddtreeError, InvalidInputError, MissingDependencyError
 from ..util.files import atomic_write_text
 from ..util.plots import pyplot
 from .figures import plot_budget_histograms, plot_confidence, plot_time_vs_budget, plot_trees
@@ -27,6 +27,7 @@ from .results import (
     load_meta,
     load_results_with_notes,
     load_trees,
+    mixed_machines,
     side_file,
 )
 from .summary import Aggregates, aggregate, confidence_analysis, temperature_label
@@ -155,18 +156,30 @@ def build_report(
     results_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     cost_model: str | os.PathLike[str] | None = None,
+    pool_machines: bool = False,
 ) -> Report:
-    """:func:`write_report`, also returning the notes and the tables (for the command line)."""
+    """:func:`write_report`, also returning the notes and the tables (for the command line).
+    Results whose ranks ran on different machines are refused unless ``pool_machines`` (the
+    report then says which machines its timings pool)."""
     results_path = Path(results_path)
     out = Path(out_dir)
     records, notes = load_results_with_notes(results_path)
+    meta = load_meta(side_file(results_path, "meta"))
+    mixed = mixed_machines(meta)
+    if mixed and not pool_machines:
+        raise InvalidInputError(
+            f"the ranks of {results_path} ran on different machines ({mixed}), so its timings "
+            "would pool them; pass --pool-machines to report them pooled anyway (the report "
+            "says so), or benchmark each machine in a run of its own"
+        )
+    if mixed:
+        notes.append(f"Timings pool different machines: {mixed}.")
     model = None
     if cost_model is not None:
         from ..core.cost import load_cost_model
 
         model = load_cost_model(cost_model)
     meta_path = side_file(results_path, "meta")
-    meta = load_meta(meta_path)
     trees_path = side_file(results_path, "trees")
     agg = aggregate(records)
     tables = all_tables(agg)
@@ -225,6 +238,7 @@ def write_report(
     results_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     cost_model: str | os.PathLike[str] | None = None,
+    pool_machines: bool = False,
 ) -> list[Path]:
     """Write ``report.md`` (run metadata, notes, every Markdown table, the figures), ``tables.tex``
     (the same tables in booktabs LaTeX) and the figures' PNGs into ``out_dir``; return the paths.
@@ -234,6 +248,7 @@ def write_report(
     (``results.meta.json``, ``results.trees.jsonl``), figures the data cannot support and a missing
     matplotlib are skipped with a note in the report, never an error. Bad input (the results, a
     side file, the cost model) raises a :class:`~caddtree.util.errors.CaddtreeError`; the results and
-    the cost model are checked before anything is written.
+    the cost model are checked before anything is written; so are the machines of a torchrun run's
+    ranks (different ones are refused unless ``pool_machines``).
     """
-    return build_report(results_path, out_dir, cost_model).files
+    return build_report(results_path, out_dir, cost_model, pool_machines).files

@@ -195,6 +195,7 @@ RUN_KEYS = (
     "device_type",
     "machine",
     "world_size",
+    "machines",
     "max_new_tokens",
     "max_budget",
     "seed",
@@ -205,6 +206,21 @@ RUN_KEYS = (
 )
 """The settings in ``results.meta.json`` that change the measurements: a resumed run must match
 the earlier one in these."""
+
+
+def mixed_machines(meta: dict[str, Any] | None) -> str | None:
+    """Which machines the ranks of a data-parallel run ran on, where that is more than one (their
+    timings would pool machines); ``None`` where one machine ran everything."""
+    machines = (meta or {}).get("machines") or []
+    kinds: dict[str, list[int]] = {}
+    for rank, machine in enumerate(machines):
+        kinds.setdefault(str(machine), []).append(rank)
+    if len(kinds) < 2:
+        return None
+    return "; ".join(
+        f"{'rank' if len(r) == 1 else 'ranks'} {', '.join(map(str, r))} on {m}"
+        for m, r in kinds.items()
+    )
 
 
 def record_key(rec: dict[str, Any]) -> tuple[str, int, str, float]:

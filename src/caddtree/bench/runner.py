@@ -27,10 +27,9 @@ run's, or the runner refuses to mix them.
 Multi-turn prompts (MT-Bench) are run as in the paper: each turn is appended after the model's own
 answer to the previous turn, and the record sums the turns (``turns`` says how many).
 
-Data parallel. Under ``torchrun --nproc-per-node N`` the work items are split round-robin over the
-ranks (torch.distributed: gloo on CPU, nccl on CUDA, one GPU per rank). Each rank appends to its
-own ``results.rankK.jsonl``; at the end the records are gathered on rank 0, which writes the
-merged ``results.jsonl`` and removes the per-rank files.
+Data parallel. Under ``torchrun`` the work items left are split round-robin over the ranks; each
+rank appends to its own part file and rank 0 merges them (:mod:`caddtree.bench.data_parallel`).
+A rerun after a rank died folds its parts in, says what is missing and runs only that.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 from ..util.checks import DRAFTLESS_METHODS, check_int
 from ..util.errors import InvalidInputError
 from ..util.files import atomic_write_text
+from .data_parallel import DistInfo, from_rank0, gather_machines, gather_records
 from .methods import MethodSpec, variant_cost_model
 from .results import (
     RUN_KEYS,
@@ -69,11 +70,8 @@ T = TypeVar("T")
 
 __all__ = [
     "BenchConfig",
-    "DistInfo",
     "alternating_order",
-    "barrier",
     "generator_dtype",
-    "init_distributed",
     "run_bench",
 ]
 
@@ -128,56 +126,6 @@ def _consolidate(out: Path) -> None:
         write_jsonl(target, merged.values())
         for part in parts:
             part.unlink(missing_ok=True)
-
-
-# ---- distributed ----------------------------------------------------------------------------------
-
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    device: str | None = None  # None = the caller's choice
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-
-def init_distributed(device: str | None = None) -> DistInfo:
-    """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1): gloo on CPU,
-    nccl on CUDA with one GPU per local rank. A single process needs nothing."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world <= 1:
-        return DistInfo(device=device)
-    import torch
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    asks_cuda = device is not None and device.startswith("cuda")
-    want_cuda = (device in (None, "auto") or asks_cuda) and torch.cuda.is_available()
-    if asks_cuda and not torch.cuda.is_available():
-        raise InvalidInputError("--device cuda was asked for, but CUDA is not available")
-    if want_cuda:
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    else:
-        device = "cpu"
-    if not dist.is_initialized():
-        # ranks finish at different times (prompts differ in length); the default timeout (10 min
-        # for nccl) would kill the final gather of a long run
-        dist.init_process_group(
-            backend="nccl" if want_cuda else "gloo", timeout=datetime.timedelta(hours=72)
-        )
-    return DistInfo(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
-
-
-def barrier(info: DistInfo) -> None:
-    """Wait for every rank of a data-parallel run (nothing to wait for in a single process)."""
-    if info.distributed:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 # ---- running --------------------------------------------------------------------------------------
@@ -371,9 +319,11 @@ def run_bench(
     _check_meta(out, run_meta, resume)
     if info.rank == 0:
         _start_results(out, run_meta, resume)
-    barrier(info)
-
-    done = {record_key(rec): rec for rec in read_records(out)}
+    # every rank splits the work by rank 0's view of what is done (collective: rank 0 is ready)
+    records = from_rank0(info, read_records(out) if info.rank == 0 else None)
+    done = {record_key(rec): rec for rec in records}
+    if info.rank == 0 and done:
+        _say_missing(config, done, out)
     todo = _todo(config, done, info)
     if todo:
         if config.warmup:
@@ -381,7 +331,7 @@ def run_bench(
         _run_todo(setup, todo, done, out, info, progress)
     if not info.distributed:
         return list(done.values())
-    return _gather(out, info, list(done.values()))
+    return gather_records(out, info, list(done.values()))
 
 
 @dataclass
@@ -412,6 +362,8 @@ def _run_meta(
     run_meta.setdefault("max_budget", config.max_budget)
     run_meta.setdefault("seed", config.seed)
     run_meta.setdefault("world_size", info.world)
+    if info.distributed:  # each rank's machine, by rank (one process: ``machine`` says it)
+        run_meta["machines"] = gather_machines(info, run_meta.get("machine"))
     if cost_model is not None:
         digest = json.dumps(cost_model.to_dict(), sort_keys=True, default=str)
         run_meta["cost_model_digest"] = hashlib.sha256(digest.encode()).hexdigest()[:16]
@@ -433,6 +385,33 @@ def _start_results(out: Path, run_meta: dict[str, Any], resume: bool) -> None:
     run_meta["started"] = old.get("started", now) if resume else now
     run_meta["updated"] = now
     atomic_write_text(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
+
+
+def _work_keys(config: BenchConfig) -> list[tuple[str, int, str, float]]:
+    """The record key of every run ``config`` asks for."""
+    return [
+        (dataset, i, spec.label, float(t))
+        for t in config.temperatures
+        for dataset, prompts in config.prompts.items()
+        for i in range(len(prompts))
+        for spec in config.methods
+    ]
+
+
+def _say_missing(config: BenchConfig, done: dict[tuple, dict[str, Any]], out: Path) -> None:
+    """Rank 0 resuming a run: how much of it ``out`` already holds, and which runs are missing
+    (a rank that died, an interrupt), the ones this run does."""
+    wanted = _work_keys(config)
+    missing = [k for k in wanted if k not in done]
+    if not missing:
+        return
+    named = ", ".join(f"{d}#{i} {m} T={t:g}" for d, i, m, t in missing[:8])
+    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    print(
+        f"bench: {out} holds {len(wanted) - len(missing)} of the {len(wanted)} runs asked for; "
+        f"running the {len(missing)} missing: {named}{more}",
+        file=sys.stderr,
+    )
 
 
 def _todo(
@@ -500,6 +479,8 @@ def _run_todo(
             outcome = setup.run(item, spec, t, dataset, i, keep_trees=keep)
             dtype = generator_dtype(setup.gens[spec.label])
             rec = make_record(dataset, i, item, spec, t, outcome, dtype)
+            if info.distributed:
+                rec["rank"] = info.rank
             if keep:  # before the record: once the record is there, the run is done
                 with open(tree_part, "a", encoding="utf-8") as tf:
                     for tr in _tree_records(setup.gen, dataset, i, spec, t, outcome):
@@ -568,29 +549,3 @@ def _generators(
                 f"run's dtype is {main}"
             )
     return out
-
-
-def _gather(out: Path, info: DistInfo, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Collect every rank's records (and draft trees) on rank 0 with ``gather_object``, which
-    works without a shared file system; rank 0 writes the merged files and the per-rank files go."""
-    import torch.distributed as dist
-
-    trees = read_records(rank_path(out, info.rank, trees=True))
-    gathered: list[Any] | None = [None] * info.world if info.rank == 0 else None
-    dist.gather_object((records, trees), gathered, dst=0)
-    if info.rank == 0:
-        merged: dict[tuple, dict[str, Any]] = {}
-        merged_trees = {tree_key(t): t for t in read_records(trees_path(out))}
-        for recs, trs in gathered:
-            merged.update((record_key(r), r) for r in recs)
-            merged_trees.update((tree_key(t), t) for t in trs)
-        records = sorted(
-            merged.values(), key=lambda r: (r["temperature"], r["dataset"], r["prompt_index"])
-        )
-        write_jsonl(out, records)
-        if merged_trees:
-            write_jsonl(trees_path(out), merged_trees.values())
-    dist.barrier()  # the merged file is complete before any per-rank file goes
-    rank_path(out, info.rank).unlink(missing_ok=True)
-    rank_path(out, info.rank, trees=True).unlink(missing_ok=True)
-    return records

@@ -24,7 +24,9 @@ def report(args: argparse.Namespace) -> int:
     from ..bench.report import build_report
 
     out = args.out if args.out is not None else Path(args.results).parent / "report"
-    report = build_report(args.results, out, cost_model=args.cost_model)
+    report = build_report(
+        args.results, out, cost_model=args.cost_model, pool_machines=args.pool_machines
+    )
     for table in report.tables:
         if table.key.startswith("table1_"):
             print(f"## {table.title}\n\n{table.markdown()}\n")
@@ -55,4 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("results", help="results.jsonl written by `caddtree bench`")
     p.add_argument("--out", help="output folder (default: report/ next to RESULTS)")
     p.add_argument("--cost-model", help="cost-model file: also draw Fig. 4 (the cost profile)")
+    p.add_argument(
+        "--pool-machines",
+        action="store_true",
+        help="report a torchrun run whose ranks ran on different machines, timings pooled "
+        "(refused without it; the report says which machines it pools)",
+    )
     p.set_defaults(handler=report)

@@ -24,12 +24,13 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     _check_prompt_counts(args)
     config = _train_config(args)
+    ranks = _join_ranks(args)
     target_dir = args.target
     if target_dir is None:
         from ..util.defaults import default_target_dir
 
         target_dir = default_target_dir()
-    device = resolve_device(args.device)
+    device = resolve_device(ranks.device if ranks.distributed else args.device)
     dtype = resolve_dtype(args.dtype, device)
     user_prompts = None
     if args.prompts:
@@ -73,7 +74,14 @@ def train_drafter(args: argparse.Namespace) -> int:
         stop_after=args.stop_after,
         stop_token_ids=stops,
         init_from=args.init_from,
+        ranks=ranks,
     )
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        if ranks.rank != 0:
+            return 0
     timings["train_s"] = round(time.perf_counter() - t0, 1)
     record = _run_record(target_dir, dtype, device, prompts, data, config, out, final, timings)
     (out / "run.json").write_text(json.dumps(record, indent=1))
@@ -81,6 +89,20 @@ def train_drafter(args: argparse.Namespace) -> int:
         _export_drafter(args, out)
     print(json.dumps(final))
     return 0
+
+
+def _join_ranks(args: argparse.Namespace) -> Any:
+    """The process group under torchrun (:func:`~caddtree.util.ranks.init_distributed`), which
+    trains only: the data is made by one process first."""
+    from ..util.ranks import init_distributed
+
+    ranks = init_distributed(args.device)
+    if ranks.distributed and not args.train_only:
+        raise InvalidInputError(
+            "under torchrun, train-drafter trains only: make the data in one process first "
+            "(caddtree train-drafter ... --data-only), then run torchrun with --train-only"
+        )
+    return ranks
 
 
 def _check_prompt_counts(args: argparse.Namespace) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ..models.target import extract_context_features
 from ..util.files import atomic_write
+from ..util.ranks import DistInfo, all_objects, barrier
 from .data import TrainingData, target_fingerprint
 from .targets import TargetDistributions, TopKSpec, topk_rows
 
@@ -252,6 +253,7 @@ def cached_pass(
     path: Path,
     progress: bool,
     topk: TopKSpec | None = None,
+    ranks: DistInfo | None = None,
 ) -> tuple[list[torch.Tensor], TargetDistributions | None]:
     """The context features of ``data`` and, with ``topk``, the target's next-token rows
     (:mod:`caddtree.train.targets`), read from ``path`` as far as it holds them and computed
@@ -267,9 +269,15 @@ def cached_pass(
     without rows (or with other rows) is never used for a loss that needs them. Without
     ``topk`` a cache's rows are ignored, and dropped from the file if it grows (its new part
     would have none).
+
+    Under torchrun (``ranks``) every rank reads the cache, the ranks share each part's samples
+    (every ``world``-th one; with ``topk`` each rank computes the whole part) and gather them,
+    and rank 0 alone writes the file.
     """
+    ranks = ranks if ranks is not None else DistInfo()
     fixed = {"layers": list(layer_ids), **target_fingerprint(target)}
     tensors, key = _usable_cache(path, data, fixed, topk)
+    barrier(ranks)  # every rank has read the cache before rank 0 writes it
     reused = _samples(tensors) if tensors else []
     if topk is None and key.get("next_token") and len(reused) < len(data.sequences):
         tensors = {k: v for k, v in tensors.items() if not k.startswith("next_")}
@@ -278,8 +286,8 @@ def cached_pass(
     done = len(reused)
     while done < len(data.sequences):  # a part per chunk, each saved: an interrupted pass resumes
         end = min(done + PART_SAMPLES, len(data.sequences))
-        new = _add_part(target, data, done, end, layer_ids, topk, tensors, progress)
-        key = _write_cache(path, tensors, fixed, data, end, topk)
+        new = _add_part(target, data, done, end, layer_ids, topk, tensors, progress, ranks)
+        key = _write_cache(path, tensors, fixed, data, end, topk, write=ranks.rank == 0)
         reused += new
         done = end
     return reused, _targets_in(tensors, key) if topk is not None else None
@@ -294,12 +302,15 @@ def _add_part(
     topk: TopKSpec | None,
     tensors: dict[str, torch.Tensor],
     progress: bool,
+    ranks: DistInfo,
 ) -> list[torch.Tensor]:
     """Compute samples ``start .. end - 1`` and add them to ``tensors`` as the next part; their
     features (views into the part)."""
     rest = TrainingData(data.sequences[start:end], data.prompt_lengths[start:end])
     suffix = f".{len(_suffixes(tensors))}" if tensors else ""
-    if topk is None:
+    if topk is None and ranks.distributed:
+        new = _shared_features(target, rest, layer_ids, progress, ranks)
+    elif topk is None:
         new = compute_features(target, rest, layer_ids, progress=progress)
     else:
         new, computed = compute_features_and_targets(
@@ -313,6 +324,18 @@ def _add_part(
     return list(torch.split(tensors[f"features{suffix}"], lengths))
 
 
+def _shared_features(
+    target: Any, rest: TrainingData, layer_ids: Sequence[int], progress: bool, ranks: DistInfo
+) -> list[torch.Tensor]:
+    """The features of ``rest``, each rank computing every ``world``-th sample from its rank,
+    then everyone's gathered in order (on the host: a tensor goes back where it was made)."""
+    r, w = ranks.rank, ranks.world
+    mine = TrainingData(rest.sequences[r::w], rest.prompt_lengths[r::w])
+    computed = compute_features(target, mine, layer_ids, progress=progress and r == 0)
+    parts = all_objects(ranks, [f.cpu() for f in computed])
+    return [parts[j % w][j // w] for j in range(len(rest.sequences))]
+
+
 def _write_cache(
     path: Path,
     tensors: dict[str, torch.Tensor],
@@ -320,8 +343,10 @@ def _write_cache(
     data: TrainingData,
     n: int,
     topk: TopKSpec | None,
+    write: bool = True,
 ) -> dict:
-    """Save ``tensors``, the cache of the first ``n`` samples of ``data``, atomically; its key."""
+    """Save ``tensors``, the cache of the first ``n`` samples of ``data``, atomically (unless
+    not ``write``: another rank does); its key."""
     key = {
         **fixed,
         "n": n,
@@ -329,5 +354,6 @@ def _write_cache(
         "digest": _data_digest(data, n),
         "next_token": None if topk is None else topk.key(),
     }
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"key": json.dumps(key)}))
+    if write:
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"key": json.dumps(key)}))
     return key

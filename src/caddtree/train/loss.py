@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..models.dflash import additive_mask, draft_lm_head
+from ..util.ranks import DistInfo, all_objects, all_sum
 from .batch import SampleBank, anchors_from_lists, block_batch, random_anchors
 
 __all__ = [
@@ -120,6 +122,14 @@ def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (weights * values).sum() / weights.sum()
 
 
+def _share(ranks: DistInfo, sample_ids: Sequence[int], ids: torch.Tensor, drawn: Any):
+    """This rank's share of a batch (every ``world``-th sample from its ``rank``): its sample
+    ids on the host and the device, and their anchors (padded and real, or one list each)."""
+    r, w = ranks.rank, ranks.world
+    mine = drawn[r::w] if isinstance(drawn, list) else tuple(t[r::w] for t in drawn)
+    return list(sample_ids)[r::w], ids[r::w], mine
+
+
 def _on_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """Host integers as a long tensor on ``device`` (pinned and copied without waiting on a GPU)."""
     host = torch.tensor(list(values), dtype=torch.long)
@@ -186,6 +196,7 @@ def _block_stats(
     in_range: torch.Tensor,
     rows: torch.Tensor,
     terms: dict[str, torch.Tensor] | None,
+    ranks: DistInfo | None = None,
 ) -> dict:
     """A batch's acceptance statistics: ``top1`` (position 1's top-1 accuracy) and ``accept``
     (the mean leading run of correct predictions of a chain draft, block by block: a token
@@ -204,12 +215,11 @@ def _block_stats(
             full = torch.zeros(in_range.shape, dtype=terms[name].dtype, device=in_range.device)
             full[rows] = terms[name].detach()
             by_position[name] = full.sum((0, 1))
-    count = blocks.sum().clamp(min=1)
-    return {
-        "top1": (correct[..., 0] & blocks).sum() / count,
-        "accept": (run.sum(-1) * blocks).sum() / count,
-        "by_position": by_position,
-    }
+    ranks = ranks if ranks is not None else DistInfo()
+    by_position = {k: all_sum(ranks, v) for k, v in by_position.items()}  # the whole batch's
+    sums = torch.stack([(correct[..., 0] & blocks).sum().float(), (run.sum(-1) * blocks).sum()])
+    top1, accept = all_sum(ranks, sums) / all_sum(ranks, blocks.sum()).clamp(min=1)
+    return {"top1": top1, "accept": accept, "by_position": by_position}
 
 
 class AnchorBlockLoss:
@@ -219,8 +229,10 @@ class AnchorBlockLoss:
     :class:`~caddtree.train.targets.TargetDistributions` over the drafter's vocabulary) give the
     L1 and LK terms and the per-position acceptance."""
 
-    def __init__(self, drafter, target, features, data, config, device, targets=None):
+    def __init__(self, drafter, target, features, data, config, device, targets=None, ranks=None):
         self.drafter, self.config, self.device = drafter, config, device
+        # under torchrun each rank trains on its share of every batch (see batch_loss)
+        self.ranks = ranks if ranks is not None else DistInfo()
         # the module that runs the forward: the drafter, or its compiled form (same parameters)
         self.forward = torch.compile(drafter, dynamic=True) if config.compile else drafter
         self.targets = targets  # the target's next-token top-k (TargetDistributions), or None
@@ -328,6 +340,8 @@ class AnchorBlockLoss:
         cfg = self.config
         ids = _on_device(sample_ids, self.device)
         drawn = self._random_anchors(ids, generator) if anchors is None else anchors
+        if self.ranks.distributed:  # the whole batch's anchors are drawn, so each share is the same
+            sample_ids, ids, drawn = _share(self.ranks, sample_ids, ids, drawn)
         hidden, labels, in_range = self._block_hidden(sample_ids, drawn, ids)
         valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
         with self._autocast():
@@ -336,7 +350,7 @@ class AnchorBlockLoss:
             logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none"
         ).view(labels.shape)
         weights = self._weights(ce, valid)
-        loss = cfg.ce_weight * _weighted_mean(ce, weights * valid)
+        loss = cfg.ce_weight * self._mean(ce, weights * valid)
         terms = None
         if self.targets is not None:
             lists = _anchor_lists(drawn)
@@ -344,11 +358,27 @@ class AnchorBlockLoss:
             loss = loss + self._distribution_loss(terms, weights[in_range])
         with torch.no_grad():
             correct = (logits.argmax(-1) == labels) & valid
-            stats = _block_stats(correct, in_range, in_range, terms)
+            stats = _block_stats(correct, in_range, in_range, terms, self.ranks)
+            stats["loss"] = self._whole(loss)
             if terms is not None:
-                stats["ce"] = _weighted_mean(ce, weights * valid)
-                stats["l1"] = _weighted_mean(terms["l1"], weights[in_range])
+                stats["ce"] = self._whole(self._mean(ce, weights * valid))
+                stats["l1"] = self._whole(self._mean(terms["l1"], weights[in_range]))
         return loss, stats
+
+    def _mean(self, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The weighted mean of ``values`` over the whole batch; under torchrun, this rank's
+        share of it times the number of ranks (its weights over the whole batch's), so that the
+        mean DistributedDataParallel takes of the ranks' gradients is the whole batch's."""
+        if not self.ranks.distributed:
+            return _weighted_mean(values, weights)
+        total = all_sum(self.ranks, weights.sum().detach())
+        return (weights * values).sum() * self.ranks.world / total
+
+    def _whole(self, value: torch.Tensor) -> torch.Tensor:
+        """A figure of :meth:`_mean` over the whole batch (every rank's share added)."""
+        if not self.ranks.distributed:
+            return value.detach()
+        return all_sum(self.ranks, value.detach()) / self.ranks.world
 
     def _distribution_terms(
         self,
@@ -373,9 +403,9 @@ class AnchorBlockLoss:
         cfg = self.config
         loss = torch.zeros((), device=weights.device)
         if cfg.l1_weight:
-            loss = loss + cfg.l1_weight * _weighted_mean(terms["l1"], weights)
+            loss = loss + cfg.l1_weight * self._mean(terms["l1"], weights)
         if cfg.lk_weight:
-            loss = loss + cfg.lk_weight * _weighted_mean(lk_term(terms["accept"]), weights)
+            loss = loss + cfg.lk_weight * self._mean(lk_term(terms["accept"]), weights)
         return loss
 
     @torch.no_grad()
@@ -458,14 +488,17 @@ def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict:
     g = torch.Generator(device=loss.device).manual_seed(seed + 17)
     batches = []
     size = loss.config.samples_per_step
-    for k in range(0, len(eval_ids), size):
-        value, stats = loss.batch_loss(eval_ids[k : k + size], g)
-        batches.append({**host_stats(stats), "loss": value.item()})
-    rounds, tree_rounds = [], []
-    for i in eval_ids[:WALK_SAMPLES]:
-        chain, tree = loss.walks(i, [None, WALK_BUDGET])
-        rounds += chain
-        tree_rounds += tree
+    with torch.no_grad():
+        for k in range(0, len(eval_ids), size):
+            batches.append(host_stats(loss.batch_loss(eval_ids[k : k + size], g)[1]))
+        # under torchrun the ranks walk every world-th sample and pool their rounds
+        ranks = loss.ranks
+        walked = [
+            loss.walks(i, [None, WALK_BUDGET])
+            for i in eval_ids[:WALK_SAMPLES][ranks.rank :: ranks.world]
+        ]
+    rounds = [n for part in all_objects(ranks, walked) for chain, _ in part for n in chain]
+    tree_rounds = [n for part in all_objects(ranks, walked) for _, tree in part for n in tree]
     loss.drafter.train()
     n = len(batches)
     figures = {

@@ -13,12 +13,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..util.ranks import DistInfo, from_rank0
 from .batch import length_buckets
 from .loss import AnchorBlockLoss, evaluate
 
@@ -51,9 +52,12 @@ class Loop:
     write_checkpoint: Callable[[list[dict]], None]  # a checkpoint of the steps of a log
     deadline: float | None = None  # time.monotonic() by which the call ends
     on_checkpoint: Callable[[Path], None] | None = None
+    ranks: DistInfo = field(default_factory=DistInfo)  # under torchrun, rank 0 writes the files
 
     def save(self, log: list[dict]) -> None:
-        """A checkpoint of the steps in ``log``, then ``on_checkpoint``."""
+        """A checkpoint of the steps in ``log``, then ``on_checkpoint`` (rank 0's alone)."""
+        if self.ranks.rank != 0:
+            return
         self.write_checkpoint(log)
         if self.on_checkpoint is not None:
             self.on_checkpoint(self.ckpt)
@@ -111,24 +115,31 @@ def run_steps(loop: Loop, log: list[dict], start: int, end: int, progress: bool)
     from tqdm.auto import tqdm
 
     config = loop.trainer.config
+    writer = loop.ranks.rank == 0
     bar = tqdm(
         total=config.steps,
         initial=start,
         desc="training drafter",
         unit="step",
-        disable=not progress,
+        disable=not (progress and writer),
     )
-    pending, clock = _Pending(log, loop.log_path, bar), Clock(loop.deadline)
+    pending = _Pending(log, loop.log_path if writer else None, bar)
+    clock = Clock(loop.deadline)
+
+    def limits(step: int) -> tuple[int, int]:
+        # under torchrun rank 0's clock says where the call ends: every rank runs the same steps
+        return from_rank0(loop.ranks, clock.limits(step, end, config.steps))
+
     previous_handler = terminate_as_interrupt()
     try:
-        step, (last, total) = start, clock.limits(start, end, config.steps)
+        step, (last, total) = start, limits(start)
         while step < last:
             pending.add(train_step(loop.trainer, loop.optimizer, loop.train_ids, step, total))
             step += 1
             if not _window_ends(config, step, start, last, bool(loop.eval_ids)):
                 continue
             clock.observe(pending.read_back())
-            last, total = clock.limits(step, end, config.steps)
+            last, total = limits(step)
             bar.total = total
             # a call cut short by its deadline ends evaluated; with a deadline, the first step is
             # evaluated and saved too, to learn what that end will cost
@@ -206,9 +217,9 @@ def _deliver(signum: int, handler: Any) -> None:
 
 class _Pending:
     """Log entries of steps whose figures are still on the device, then on the host until they
-    are written to the log and its file."""
+    are written to the log and its file (``None``: no file, on a rank other than 0)."""
 
-    def __init__(self, log: list[dict], path: Path, bar: Any) -> None:
+    def __init__(self, log: list[dict], path: Path | None, bar: Any) -> None:
         self.log, self.path, self.bar = log, path, bar
         self.entries: list[dict[str, Any]] = []
         self.read: list[dict[str, Any]] = []
@@ -243,9 +254,9 @@ class _Pending:
         with _signals_deferred():
             read, self.read = self.read, []
             read[-1].update(evaluation)
-            text = "".join(json.dumps(e) + "\n" for e in read)
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(text)
+            if self.path is not None:
+                with open(self.path, "a", encoding="utf-8") as fh:
+                    fh.write("".join(json.dumps(e) + "\n" for e in read))
             self.log.extend(read)
         last = read[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['train_accept']:.2f}")
@@ -297,7 +308,7 @@ def train_step(
     optimizer.step()
     entry = {
         "step": step + 1,
-        "loss": loss.detach(),
+        "loss": stats["loss"],  # the whole batch's, under torchrun too
         "train_accept": stats["accept"],
         "lr": optimizer.param_groups[0]["lr"],
         "schedule_steps": config.steps if total is None else total,

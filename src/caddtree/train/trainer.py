@@ -38,6 +38,7 @@ from ..models.dflash import (
 from ..util.checks import is_int, is_number
 from ..util.errors import CheckpointError, InvalidInputError
 from ..util.files import atomic_write_text, recover_directory, replace_directory
+from ..util.ranks import DistInfo, from_rank0
 from .batch import by_length
 from .data import TrainingData, choose_draft_vocab, describe_differences, split_samples
 from .features import cached_pass
@@ -242,6 +243,7 @@ def train_drafter(
     init_from: str | os.PathLike[str] | None = None,
     deadline: float | None = None,
     on_checkpoint: Callable[[Path], None] | None = None,
+    ranks: DistInfo | None = None,
 ) -> dict[str, Any]:
     """Train (or resume training) a DFlash drafter for ``target`` on ``data``.
 
@@ -263,9 +265,14 @@ def train_drafter(
     ``schedule_steps``; a later call resumes with the schedule of its own ``steps``).
     ``on_checkpoint`` is called with the checkpoint's folder after each save (to copy it
     elsewhere as the run goes). ``config`` is not changed (the run works on a copy).
+
+    ``ranks`` (under ``torchrun``): the ranks share the feature pass and each batch (the same
+    batch, loss and steps as one process; ``DistributedDataParallel``); rank 0 alone writes the
+    files, and every rank reads the run's folder (one machine, or a shared file system).
     """
     config = replace(config) if config is not None else TrainConfig()
     config.validate()
+    ranks = ranks if ranks is not None else DistInfo()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoint"
@@ -281,32 +288,43 @@ def train_drafter(
 
     targets = None
     if features is None or config.topk():
-        cached, targets = _features_and_targets(target, data, drafter, config, out, progress)
+        cached, targets = _features_and_targets(target, data, drafter, config, out, progress, ranks)
         features = cached if features is None else features
-    train_ids, eval_ids = split_samples(data, config, out / "split.json")
-    train_ids = by_length(train_ids, [len(s) for s in data.sequences])
-    trainer = AnchorBlockLoss(drafter, target, features, data, config, device, targets)
+    train_ids, eval_ids = _split(data, config, out, ranks)
+    trainer = AnchorBlockLoss(drafter, target, features, data, config, device, targets, ranks)
+    if ranks.distributed:
+        trainer.forward = _data_parallel(drafter, config)
     optimizer = _optimizer(drafter, config, device)
     start, log = _resume_point(ckpt, optimizer, state, config)
     log_path = out / "train_log.jsonl"
     # the file starts as the checkpoint's log: steps run after the last checkpoint by an
     # interrupted call are run again, and must not appear twice in the learning curve
-    atomic_write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))
+    if ranks.rank == 0:
+        atomic_write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
 
     write_checkpoint = partial(_save_checkpoint, ckpt, drafter, optimizer, config)
-    loop = Loop(
-        trainer,
-        optimizer,
-        train_ids,
-        eval_ids,
-        ckpt,
-        log_path,
-        write_checkpoint,
-        deadline,
-        on_checkpoint,
-    )
+    loop = Loop(trainer, optimizer, train_ids, eval_ids, ckpt, log_path, write_checkpoint)
+    loop.deadline, loop.on_checkpoint, loop.ranks = deadline, on_checkpoint, ranks
     return run_steps(loop, log, start, end, progress)
+
+
+def _split(data: TrainingData, config: TrainConfig, out: Path, ranks: DistInfo):
+    """The training samples (ordered by length) and the held-out ones, as rank 0 records them
+    in the run's ``split.json``."""
+    split = split_samples(data, config, out / "split.json") if ranks.rank == 0 else None
+    train_ids, eval_ids = from_rank0(ranks, split)
+    return by_length(train_ids, [len(s) for s in data.sequences]), eval_ids
+
+
+def _data_parallel(drafter: DFlashDraftModel, config: TrainConfig) -> Any:
+    """The drafter's forward under ``DistributedDataParallel`` (compiled where ``config`` asks).
+    Its buffers are constants, so they are not broadcast each forward, and the ranks may run
+    different numbers of forwards (evaluation walks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(drafter, broadcast_buffers=False)
+    return torch.compile(ddp, dynamic=True) if config.compile else ddp
 
 
 def _optimizer(drafter: DFlashDraftModel, config: TrainConfig, device: torch.device) -> Any:
@@ -340,15 +358,17 @@ def _features_and_targets(
     config: TrainConfig,
     out: Path,
     progress: bool,
+    ranks: DistInfo,
 ) -> tuple[list[torch.Tensor], Any]:
     """The context features and, when ``config`` asks for them, the target's next-token top-k
-    over the drafter's vocabulary, from the run's cache (``features.safetensors``) or computed."""
+    over the drafter's vocabulary, from the run's cache (``features.safetensors``) or computed
+    (shared by the ranks under torchrun)."""
     topk = None
     if config.topk():
         vocab = int(target.config.get_text_config().vocab_size)
         topk = TopKSpec.make(config.topk(), drafter.draft_token_ids, vocab)
     path = out / "features.safetensors"
-    return cached_pass(target, data, config.target_layer_ids, path, progress, topk)
+    return cached_pass(target, data, config.target_layer_ids, path, progress, topk, ranks)
 
 
 def _starting_drafter(
