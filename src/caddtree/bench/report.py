@@ -164,7 +164,8 @@ def build_report(
     results_path = Path(results_path)
     out = Path(out_dir)
     records, notes = load_results_with_notes(results_path)
-    meta = load_meta(side_file(results_path, "meta"))
+    meta_path = side_file(results_path, "meta")
+    meta = load_meta(meta_path)
     mixed = mixed_machines(meta)
     if mixed and not pool_machines:
         raise InvalidInputError(
@@ -179,7 +180,6 @@ def build_report(
         from ..core.cost import load_cost_model
 
         model = load_cost_model(cost_model)
-    meta_path = side_file(results_path, "meta")
     trees_path = side_file(results_path, "trees")
     agg = aggregate(records)
     tables = all_tables(agg)

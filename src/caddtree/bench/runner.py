@@ -50,7 +50,8 @@ from typing import Any, TypeVar
 from ..util.checks import DRAFTLESS_METHODS, check_int
 from ..util.errors import InvalidInputError
 from ..util.files import atomic_write_text
-from .data_parallel import DistInfo, from_rank0, gather_machines, gather_records
+from ..util.ranks import DistInfo, all_objects, from_rank0
+from .data_parallel import gather_records
 from .methods import MethodSpec, variant_cost_model
 from .results import (
     RUN_KEYS,
@@ -363,7 +364,7 @@ def _run_meta(
     run_meta.setdefault("seed", config.seed)
     run_meta.setdefault("world_size", info.world)
     if info.distributed:  # each rank's machine, by rank (one process: ``machine`` says it)
-        run_meta["machines"] = gather_machines(info, run_meta.get("machine"))
+        run_meta["machines"] = all_objects(info, run_meta.get("machine"))
     if cost_model is not None:
         digest = json.dumps(cost_model.to_dict(), sort_keys=True, default=str)
         run_meta["cost_model_digest"] = hashlib.sha256(digest.encode()).hexdigest()[:16]
@@ -387,21 +388,25 @@ def _start_results(out: Path, run_meta: dict[str, Any], resume: bool) -> None:
     atomic_write_text(meta_path(out), json.dumps(run_meta, indent=1, default=str) + "\n")
 
 
-def _work_keys(config: BenchConfig) -> list[tuple[str, int, str, float]]:
-    """The record key of every run ``config`` asks for."""
+def _items(config: BenchConfig) -> list[tuple[float, str, int, Any]]:
+    """Every work item ``config`` asks for: (temperature, dataset, prompt index, prompt)."""
     return [
-        (dataset, i, spec.label, float(t))
+        (t, dataset, i, item)
         for t in config.temperatures
         for dataset, prompts in config.prompts.items()
-        for i in range(len(prompts))
-        for spec in config.methods
+        for i, item in enumerate(prompts)
     ]
+
+
+def _run_key(item: tuple[float, str, int, Any], spec: MethodSpec) -> tuple[str, int, str, float]:
+    """The record key (:func:`~caddtree.bench.results.record_key`) of ``spec`` on ``item``."""
+    return (item[1], item[2], spec.label, float(item[0]))
 
 
 def _say_missing(config: BenchConfig, done: dict[tuple, dict[str, Any]], out: Path) -> None:
     """Rank 0 resuming a run: how much of it ``out`` already holds, and which runs are missing
     (a rank that died, an interrupt), the ones this run does."""
-    wanted = _work_keys(config)
+    wanted = [_run_key(it, spec) for it in _items(config) for spec in config.methods]
     missing = [k for k in wanted if k not in done]
     if not missing:
         return
@@ -419,24 +424,14 @@ def _todo(
 ) -> list[tuple[tuple[float, str, int, Any], MethodSpec]]:
     """This rank's (work item, method) runs not yet in ``done``, each item's methods in
     alternating order."""
-    items = [
-        (t, dataset, i, item)
-        for t in config.temperatures
-        for dataset, prompts in config.prompts.items()
-        for i, item in enumerate(prompts)
-    ]
-    # split what is left (every rank sees the same results file), so a resumed run stays balanced
-    left = [
-        it
-        for it in items
-        if any((it[1], it[2], s.label, float(it[0])) not in done for s in config.methods)
-    ]
+    # split what is left (every rank has rank 0's ``done``), so a resumed run stays balanced
+    left = [it for it in _items(config) if any(_run_key(it, s) not in done for s in config.methods)]
     mine = left[info.rank :: info.world]
     return [
         (it, spec)
         for j, it in enumerate(mine)
         for spec in alternating_order(config.methods, j)
-        if (it[1], it[2], spec.label, float(it[0])) not in done
+        if _run_key(it, spec) not in done
     ]
 
 
