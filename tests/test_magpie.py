@@ -36,16 +36,26 @@ def test_pre_query_template_stops_where_the_user_turn_starts(tok):
     assert tok.decode(pre_query_ids(tok, "be brief")) == "s: be brief\nu: "
 
 
-def test_generation_resumes_to_the_same_queries(tok, tmp_path):
+@pytest.mark.parametrize("generator", ["auto", "hf"])
+def test_generation_resumes_to_the_same_queries(tok, tmp_path, generator):
     target = qwen3_target()
     personas = {"none": None, "short": "be brief"}
     kwargs = dict(
-        personas=personas, batch_size=4, max_new_tokens=12, stop_token_ids=[1], progress=False
+        personas=personas,
+        batch_size=4,
+        max_new_tokens=12,
+        stop_token_ids=[1],
+        progress=False,
+        generator=generator,
     )
     straight = generate_queries(target, tok, 12, tmp_path / "a.jsonl", seed=3, **kwargs)
     assert len(straight) == 12
     assert [r["persona"] for r in straight[::4]] == ["none", "short", "none"]
-    assert all(set(r) == {"batch", "persona", "query", "finished"} for r in straight)
+    assert all(set(r) == {"batch", "persona", "query", "finished", "generator"} for r in straight)
+    # auto: caddtree's batched decoder, which runs the tiny target
+    assert {r["generator"] for r in straight} == {"engine" if generator == "auto" else "hf"}
+    # the rows of one batch share a prompt but not a random stream
+    assert len({r["query"] for r in straight[:4]}) > 1
     # an interrupted run: only the first batch was saved
     lines = (tmp_path / "a.jsonl").read_text().splitlines()
     (tmp_path / "b.jsonl").write_text("\n".join(lines[:4]) + "\n")
@@ -248,6 +258,7 @@ def test_followups_continue_conversations_and_resume(tok, tmp_path):
     first = generate_followups(target, tok, chats[:2], tmp_path / "f.jsonl", **kwargs)
     grown = generate_followups(target, tok, chats, tmp_path / "f.jsonl", **kwargs)
     assert grown[:2] == first and [r["conversation"] for r in grown] == [0, 1, 2]
+    assert {r["generator"] for r in grown} == {"engine"}
     again = generate_followups(target, tok, chats, tmp_path / "f.jsonl", **kwargs)
     assert again == grown  # nothing left to sample
     changed = [chats[0], [chats[1][0], {"role": "assistant", "content": "another answer"}]]

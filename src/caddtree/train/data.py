@@ -34,6 +34,7 @@ __all__ = [
     "draft_vocab_coverage",
     "generate_responses",
     "prepare_data",
+    "resolve_generator",
     "split_samples",
     "target_fingerprint",
 ]
@@ -109,9 +110,11 @@ def engine_responses(
     stop_token_ids: Sequence[int] = (),
     may_start: Callable[[float], bool] = lambda seconds: True,
     after_round: Callable[[dict[int, list[int]]], None] | None = None,
+    sampler_of: Callable[[int], Any] | None = None,
 ) -> None:
-    """Greedy responses of ``target`` by caddtree's batched decoder on the lean runtime
-    (continuous batching of plain greedy rounds), into ``done`` by prompt index as they finish.
+    """Responses of ``target`` by caddtree's batched decoder on the lean runtime (continuous
+    batching of plain rounds), into ``done`` by prompt index as they finish: greedy, or chosen by
+    ``sampler_of(i)`` (a :class:`~caddtree.core.sampling.Sampler`) for prompt ``i``.
     ``may_start(seconds)`` says whether work that takes that long may start (a round; a prompt
     joins only while a whole response's rounds may): a caller's deadline; prompts not started
     are left out. ``after_round`` gets ``done`` after every round."""
@@ -136,6 +139,8 @@ def engine_responses(
                 request = GenerationRequest(
                     prompt_ids[i], policy, max_new_tokens, stop_token_ids=stops
                 )
+                if sampler_of is not None:
+                    request.sampler = sampler_of(i)
                 index[id(request)] = i
                 if decoder.add(request).stop_reason is not None:
                     done[i] = list(request.output)
@@ -167,10 +172,7 @@ def generate_responses(
     ``"engine"``, caddtree's batched decoder (:func:`engine_responses`, ``batch_size`` requests
     at once); ``"hf"``, transformers' ``generate`` in left-padded batches of prompts sorted by
     length; ``"auto"``, the engine where the lean runtime runs the target, else ``"hf"``."""
-    if generator == "auto":
-        from ..runtime.lean import lean_unsupported
-
-        generator = "engine" if lean_unsupported(target) is None else "hf"
+    generator = resolve_generator(target, generator)
     if generator == "engine":
         done: dict[int, list[int]] = {}
         with _progress_bar(len(prompt_ids), progress) as bar:
@@ -184,11 +186,21 @@ def generate_responses(
                 after_round=lambda made: bar.update(len(made) - bar.n),
             )
         return _training_data(prompt_ids, done, max_new_tokens, generator)
-    if generator != "hf":
-        raise InvalidInputError(f"unknown generator {generator!r}: use auto, engine or hf")
     return _hf_responses(
         target, prompt_ids, max_new_tokens, batch_size, stop_token_ids, pad_token_id, progress
     )
+
+
+def resolve_generator(target: Any, generator: str) -> str:
+    """``generator`` (``"engine"``, ``"hf"``) as given, or for ``"auto"`` the engine where the
+    lean runtime runs ``target``, else transformers' ``"hf"``."""
+    if generator == "auto":
+        from ..runtime.lean import lean_unsupported
+
+        return "engine" if lean_unsupported(target) is None else "hf"
+    if generator not in ("engine", "hf"):
+        raise InvalidInputError(f"unknown generator {generator!r}: use auto, engine or hf")
+    return generator
 
 
 def _progress_bar(total: int, progress: bool) -> Any:

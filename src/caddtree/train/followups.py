@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..util.files import atomic_write_text
-from .data import TrainingData
+from .data import TrainingData, resolve_generator
 from .magpie import (
     assistant_turns,
     filter_queries,
@@ -71,15 +71,16 @@ def generate_followups(
     stop_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
     progress: bool = True,
+    generator: str = "auto",
 ) -> list[dict[str, Any]]:
     """Sample the user's next message after each conversation of ``chats`` from ``target`` at
-    temperature 1, resumable through ``path``: one record ``{"batch", "conversation", "digest",
-    "query", "finished"}`` per conversation, in order. The records there are kept as they are
+    temperature 1 by ``generator`` (:func:`~caddtree.train.magpie.sample_messages`), resumable
+    through ``path``: one record ``{"batch", "conversation", "digest", "query", "finished",
+    "generator"}`` per conversation, in order. The records there are kept as they are
     up to the first whose conversation is not the one at its place in ``chats`` (its digest
     differs), and the conversations after them sampled in batches from there, the batch starting
     at conversation ``i`` with the random seed ``(seed, i)``, so that prompts made from them
     earlier stay."""
-    import torch
     from tqdm.auto import tqdm
 
     path = Path(path)
@@ -88,17 +89,18 @@ def generate_followups(
     stops = {int(t) for t in stop_token_ids}
     starts = range(len(records), len(chats), batch_size)
     bar = tqdm(total=len(chats), initial=len(records), desc="follow-ups", disable=not progress)
+    generator = resolve_generator(target, generator)
     for start in starts:
         prefixes = [pre_query_ids(tokenizer, history=c) for c in chats[start : start + batch_size]]
-        width = max(map(len, prefixes))
-        ids = torch.full((len(prefixes), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prefix in enumerate(prefixes):  # left-padded
-            ids[row, width - len(prefix) :] = torch.tensor(prefix)
-            mask[row, width - len(prefix) :] = 1
-        torch.manual_seed(seed * 1_000_003 + 7919 + start)
         sampled = sample_messages(
-            target, tokenizer, ids, mask, max_new_tokens, stops, pad_token_id=pad_token_id
+            target,
+            tokenizer,
+            prefixes,
+            max_new_tokens,
+            stops,
+            seed=seed * 1_000_003 + 7919 + start,
+            pad_token_id=pad_token_id,
+            generator=generator,
         )
         for row, (text, finished) in enumerate(sampled):
             index = start + row
@@ -109,6 +111,7 @@ def generate_followups(
                     "digest": digests[index],
                     "query": text,
                     "finished": finished,
+                    "generator": generator,
                 }
             )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..util.errors import InvalidInputError
 from ..util.files import atomic_write_text, read_packed
+from .data import engine_responses, resolve_generator
 
 __all__ = [
     "PERSONAS",
@@ -220,16 +221,18 @@ def generate_queries(
     max_new_tokens: int = 64,
     stop_token_ids: Sequence[int] = (),
     progress: bool = True,
+    generator: str = "auto",
 ) -> list[dict[str, Any]]:
     """Sample at least ``count`` raw user queries from ``target`` (resumable through ``path``).
 
     Batch ``b`` uses :func:`persona_of_batch` (``personas``: :data:`PERSONAS` by default, or a
     dict of name to system prompt, all in the rotation from batch 0) and the random seed
-    ``(seed, b)``. Each record
-    is ``{"batch", "persona", "query", "finished"}``; ``finished`` is whether the query ended with
-    a stop token within ``max_new_tokens``.
+    ``(seed, b)``, sampled by ``generator`` (:func:`~caddtree.train.data.resolve_generator`;
+    :func:`sample_messages`). Each record is ``{"batch", "persona", "query", "finished",
+    "generator"}``; ``finished`` is whether the query ended with a stop token within
+    ``max_new_tokens`` (records written before the field existed have no ``generator``: they
+    are transformers' ``"hf"``).
     """
-    import torch
     from tqdm.auto import tqdm
 
     personas = PERSONAS if personas is None else personas
@@ -242,7 +245,6 @@ def generate_queries(
     done_batches = {r["batch"] for r in records}
     n_batches = -(-count // batch_size)
     stops = {int(t) for t in stop_token_ids}
-    device = target.get_input_embeddings().weight.device
     todo = [b for b in range(n_batches) if b not in done_batches]
     bar = tqdm(
         total=n_batches * batch_size,
@@ -251,17 +253,28 @@ def generate_queries(
         unit="query",
         disable=not progress,
     )
+    generator = resolve_generator(target, generator)
     for b in todo:
         persona = persona_of_batch(personas, b)
-        prefix = torch.tensor([pre_query_ids(tokenizer, persona.system)], device=device)
-        ids = prefix.repeat(batch_size, 1)
-        torch.manual_seed(seed * 1_000_003 + b)
+        prefix = pre_query_ids(tokenizer, persona.system)
         sampled = sample_messages(
-            target, tokenizer, ids, torch.ones_like(ids), max_new_tokens, stops, static=True
+            target,
+            tokenizer,
+            [prefix] * batch_size,
+            max_new_tokens,
+            stops,
+            seed=seed * 1_000_003 + b,
+            generator=generator,
         )
         for text, finished in sampled:
             records.append(
-                {"batch": b, "persona": persona.name, "query": text, "finished": finished}
+                {
+                    "batch": b,
+                    "persona": persona.name,
+                    "query": text,
+                    "finished": finished,
+                    "generator": generator,
+                }
             )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
         bar.update(batch_size)
@@ -272,23 +285,70 @@ def generate_queries(
 def sample_messages(
     target: Any,
     tokenizer: Any,
-    ids: Any,
-    mask: Any,
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     stops: set[int],
     *,
+    seed: int,
     pad_token_id: int | None = None,
-    static: bool = False,
+    generator: str = "hf",
 ) -> list[tuple[str, bool]]:
-    """The messages ``target`` writes after each row of ``ids`` (left-padded where ``mask`` says)
-    at temperature 1, with the torch seed as set: each message's text (stripped) and whether it
-    ended with a stop token within ``max_new_tokens``. ``static``: a static cache (rows of one
-    length)."""
+    """The messages ``target`` writes after each of ``prompts`` (token ids) at temperature 1:
+    each message's text (stripped) and whether it ended with a stop token within
+    ``max_new_tokens``. ``generator``: ``"hf"``, transformers' ``generate`` on left-padded rows
+    with torch's generator seeded with ``seed``; ``"engine"``, caddtree's batched decoder with
+    row ``i`` sampled from its own generator, seeded with ``(seed, i)``."""
+    if generator == "engine":
+        rows = _engine_samples(target, prompts, max_new_tokens, stops, seed)
+    else:
+        rows = _hf_samples(target, prompts, max_new_tokens, stops, seed, pad_token_id)
+    messages = []
+    for row in rows:
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
+        text = tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
+        messages.append((text.strip(), cut is not None))
+    return messages
+
+
+def _engine_samples(
+    target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: set[int], seed: int
+) -> list[list[int]]:
+    from ..core.sampling import Sampler
+
+    done: dict[int, list[int]] = {}
+    engine_responses(
+        target,
+        prompts,
+        done,
+        max_new_tokens=max_new_tokens,
+        batch_size=len(prompts),
+        stop_token_ids=sorted(stops),
+        sampler_of=lambda i: Sampler(temperature=1.0, seed=seed * 65_537 + i),
+    )
+    return [done[i] for i in range(len(prompts))]
+
+
+def _hf_samples(
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stops: set[int],
+    seed: int,
+    pad_token_id: int | None,
+) -> list[list[int]]:
     import torch
 
     device = target.get_input_embeddings().weight.device
     pad = pad_token_id if pad_token_id is not None else (min(stops) if stops else 0)
-    extra = {"cache_implementation": "static"} if static else {}
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left-padded
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+        mask[row, width - len(prompt) :] = 1
+    same_length = all(len(p) == width for p in prompts)
+    extra = {"cache_implementation": "static"} if same_length else {}
+    torch.manual_seed(seed)
     with torch.inference_mode():
         out = target.generate(
             input_ids=ids.to(device),
@@ -302,12 +362,7 @@ def sample_messages(
             pad_token_id=pad,
             **extra,
         )
-    messages = []
-    for row in out[:, ids.shape[1] :].tolist():
-        cut = next((j for j, t in enumerate(row) if t in stops), None)
-        text = tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
-        messages.append((text.strip(), cut is not None))
-    return messages
+    return out[:, width:].tolist()
 
 
 # ---- filtering ----------------------------------------------------------------------------------
