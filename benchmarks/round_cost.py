@@ -1,7 +1,8 @@
 """What one decoding round costs, part by part, from the engine's own per-round timing.
 
     python benchmarks/round_cost.py [--prompts 4] [--max-new-tokens 64] [--method caddtree]
-                                    [--budget 16] [--models default tiny]
+                                    [--budget 16] [--models default tiny] [--lookup]
+                                    [--prompt-file FILE.jsonl] [--dtype auto]
 
 For the built-in pair (SmolLM2-135M-Instruct and its shipped drafter, resolved as the CLI resolves
 them, in bfloat16) and for the tiny random float64 pair of the tests, it decodes ``--prompts``
@@ -23,7 +24,14 @@ prompts with ``--method`` after one untimed warm-up, and prints, over all rounds
 * ``host overhead``: everything but the two forward passes and the projection (tree build, walk,
   commit and bookkeeping), the quantity issue 10 wants at most 5% of a round.
 
-Rounds with no draft (the last round, when only the bonus token fits) are left out.
+Rounds with no draft (the last round, when only the bonus token fits) are left out. With
+``--lookup`` (DDTree and CaDDTree with copies from the context), the rounds whose tree is copies
+alone (the draft gate left the drafter out) get a table of their own, and CaDDTree's line says
+what its cost model charges for a drafter pass (``C_d``), to set against the measured drafter
+forward, projection and tree build of the rounds that drafted. ``--prompt-file``: the first
+turn of each line of a benchmark prompt file (``{"turns": [...]}`` or ``{"prompt": ...}``, e.g.
+``benchmarks/prompts/context-reuse.jsonl``) instead of the built-in prompts; ``--dtype``: the
+built-in pair's dtype (``auto``: the CLI's choice).
 """
 
 from __future__ import annotations
@@ -61,18 +69,26 @@ PARTS = {
 FORWARDS = ("drafter forward", "projection", "target forward")
 
 
-def default_pair(method: str) -> tuple[Any, list[Any], Any]:
-    """The built-in pair in bfloat16, its prompts, and (for CaDDTree) its cached cost model."""
+def default_pair(method: str, dtype: str = "auto") -> tuple[Any, list[Any], Any]:
+    """The built-in pair (in ``dtype``), its prompts, and (for CaDDTree) its cached cost model."""
     from caddtree.api import SpeculativeGenerator
     from caddtree.util.defaults import resolve_model_pair
 
-    target, draft, dtype = resolve_model_pair(None, None, "auto")
+    target, draft, dtype = resolve_model_pair(None, None, dtype)
     gen = SpeculativeGenerator.from_pretrained(target, draft, dtype=dtype, device="cpu")
     cost = gen.cached_cost_model() if method == "caddtree" else None
     return gen, PROMPTS, cost
 
 
-def tiny_pair(method: str) -> tuple[Any, list[Any], Any]:
+def file_prompts(path: str) -> list[str]:
+    """The first turn of each line of a benchmark prompt file."""
+    import json
+
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [line["turns"][0] if "turns" in line else line["prompt"] for line in lines]
+
+
+def tiny_pair(method: str, dtype: str = "auto") -> tuple[Any, list[Any], Any]:
     """The tests' tiny float64 target and drafter, token-id prompts, a quickly profiled cost."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from caddtree.api import SpeculativeGenerator
@@ -89,25 +105,34 @@ def tiny_pair(method: str) -> tuple[Any, list[Any], Any]:
     return gen, prompts, cost
 
 
-def measure(gen: Any, prompts: list[Any], cost: Any, args: argparse.Namespace) -> list[RoundStats]:
-    """The rounds of decoding every prompt (after one untimed warm-up) that drafted a tree."""
+def measure(
+    gen: Any, prompts: list[Any], cost: Any, args: argparse.Namespace
+) -> tuple[list[RoundStats], list[RoundStats]]:
+    """The rounds of decoding every prompt (after one untimed warm-up) that drafted a tree, and
+    (with ``--lookup``) those whose tree was copies alone."""
     kwargs = {
         "method": args.method,
         "budget": args.budget if args.method == "ddtree" else None,
         "cost_model": cost,
         "max_new_tokens": args.max_new_tokens,
         "stop_token_ids": (),
+        **({"lookup": True} if args.lookup else {}),
     }
     gen.generate(prompts[0], **{**kwargs, "max_new_tokens": min(16, args.max_new_tokens)})
     limit = gen.verifier.max_positions  # the tiny models hold 64 positions
-    rounds: list[RoundStats] = []
+    drafted: list[RoundStats] = []
+    alone: list[RoundStats] = []
     for prompt in prompts[: args.prompts]:
         if limit is not None:
             room = limit - len(gen.encode(prompt))
             kwargs["max_new_tokens"] = min(args.max_new_tokens, room)
         result = gen.generate(prompt, **kwargs)
-        rounds += [r for r in result.stats.per_round if args.method == "ar" or r.projected > 0]
-    return rounds
+        for r in result.stats.per_round:
+            if args.method == "ar" or r.projected > 0:
+                drafted.append(r)
+            elif args.lookup and r.budget > 0:
+                alone.append(r)
+    return drafted, alone
 
 
 def table(name: str, rounds: list[RoundStats]) -> str:
@@ -146,6 +171,9 @@ def main() -> None:
     parser.add_argument(
         "--models", nargs="+", default=["default", "tiny"], choices=["default", "tiny"]
     )
+    parser.add_argument("--lookup", action="store_true", help="copies from the context join")
+    parser.add_argument("--prompt-file", help="a benchmark prompt file (first turns)")
+    parser.add_argument("--dtype", default="auto", help="the built-in pair's dtype")
     parser.add_argument(
         "--projection-steps",
         type=int,
@@ -155,23 +183,31 @@ def main() -> None:
         "proposer's own",
     )
     args = parser.parse_args()
-    if not 1 <= args.prompts <= len(PROMPTS):
-        parser.error(f"--prompts must be between 1 and {len(PROMPTS)}")
+    prompts = file_prompts(args.prompt_file) if args.prompt_file else PROMPTS
+    if not 1 <= args.prompts <= len(prompts):
+        parser.error(f"--prompts must be between 1 and {len(prompts)}")
     steps = "proposer default" if args.projection_steps is None else args.projection_steps
     print(
-        f"method {args.method}, {args.prompts} prompts x {args.max_new_tokens} new tokens, "
-        f"projection steps {steps}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"method {args.method}{' with lookup' if args.lookup else ''}, {args.prompts} prompts x "
+        f"{args.max_new_tokens} new tokens, projection steps {steps}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
     )
     for name in args.models:
-        gen, prompts, cost = (default_pair if name == "default" else tiny_pair)(args.method)
+        gen, own, cost = (default_pair if name == "default" else tiny_pair)(args.method, args.dtype)
         if args.projection_steps is not None and gen.proposer is not None:
             gen.proposer.projection_steps = tuple(args.projection_steps)
         label = {
-            "default": "default pair (SmolLM2-135M + shipped drafter, bfloat16)",
+            "default": f"default pair (SmolLM2-135M + shipped drafter, {gen.weight_format})",
             "tiny": "tiny pair (tests/tiny_models.py, float64)",
         }[name]
+        chosen = prompts if args.prompt_file and name == "default" else own
+        drafted, alone = measure(gen, chosen, cost, args)
         print()
-        print(table(label, measure(gen, prompts, cost, args)))
+        if cost is not None:
+            print(f"{label}: the cost model's C_d (a drafter pass) {1e3 * cost.draft_cost:.2f} ms")
+        print(table(f"{label}, rounds that drafted", drafted))
+        if args.lookup and alone:
+            print(table(f"{label}, rounds of copies alone", alone))
 
 
 if __name__ == "__main__":
