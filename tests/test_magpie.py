@@ -65,6 +65,12 @@ def test_generation_resumes_to_the_same_queries(tok, tmp_path, generator):
     assert [r["query"] for r in other_seed] != [r["query"] for r in straight]
 
 
+def test_an_unknown_generator_is_a_clear_error(tok, tmp_path):
+    with pytest.raises(CaddtreeError, match="unknown generator 'vllm': use auto, engine or hf"):
+        generate_queries(qwen3_target(), tok, 4, tmp_path / "q.jsonl", generator="vllm")
+    assert not (tmp_path / "q.jsonl").exists()  # refused before anything was written
+
+
 def test_a_persona_that_joins_later_changes_no_earlier_batch(tok, tmp_path):
     personas = [Persona("a", None), Persona("b", "be brief"), Persona("c", "be kind", 3)]
     names = [persona_of_batch(personas, b).name for b in range(9)]
