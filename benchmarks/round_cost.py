@@ -81,14 +81,13 @@ def default_pair(method: str, dtype: str = "auto") -> tuple[Any, list[Any], Any]
 
 
 def file_prompts(path: str) -> list[str]:
-    """The first turn of each line of a benchmark prompt file."""
-    import json
+    """The first turn of each prompt of a benchmark prompt file."""
+    from caddtree.bench.datasets import load_prompt_file
 
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [line["turns"][0] if "turns" in line else line["prompt"] for line in lines]
+    return [prompt.turns[0] for prompt in load_prompt_file(path)]
 
 
-def tiny_pair(method: str, dtype: str = "auto") -> tuple[Any, list[Any], Any]:
+def tiny_pair(method: str) -> tuple[Any, list[Any], Any]:
     """The tests' tiny float64 target and drafter, token-id prompts, a quickly profiled cost."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from caddtree.api import SpeculativeGenerator
@@ -193,7 +192,10 @@ def main() -> None:
         f"{torch.get_num_threads()} threads"
     )
     for name in args.models:
-        gen, own, cost = (default_pair if name == "default" else tiny_pair)(args.method, args.dtype)
+        if name == "default":
+            gen, own, cost = default_pair(args.method, args.dtype)
+        else:
+            gen, own, cost = tiny_pair(args.method)
         if args.projection_steps is not None and gen.proposer is not None:
             gen.proposer.projection_steps = tuple(args.projection_steps)
         label = {

@@ -291,14 +291,15 @@ def sample_messages(
     *,
     seed: int,
     pad_token_id: int | None = None,
-    generator: str = "hf",
+    generator: str = "auto",
 ) -> list[tuple[str, bool]]:
     """The messages ``target`` writes after each of ``prompts`` (token ids) at temperature 1:
     each message's text (stripped) and whether it ended with a stop token within
-    ``max_new_tokens``. ``generator``: ``"hf"``, transformers' ``generate`` on left-padded rows
-    with torch's generator seeded with ``seed``; ``"engine"``, caddtree's batched decoder with
-    row ``i`` sampled from its own generator, seeded with ``(seed, i)``."""
-    if generator == "engine":
+    ``max_new_tokens``. ``generator`` (:func:`~caddtree.train.data.resolve_generator`):
+    ``"hf"``, transformers' ``generate`` on left-padded rows with torch's generator seeded with
+    ``seed``; ``"engine"``, caddtree's batched decoder with row ``i`` sampled from its own
+    generator, seeded with ``(seed, i)``."""
+    if resolve_generator(target, generator) == "engine":
         rows = _engine_samples(target, prompts, max_new_tokens, stops, seed)
     else:
         rows = _hf_samples(target, prompts, max_new_tokens, stops, seed, pad_token_id)
