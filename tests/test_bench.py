@@ -482,3 +482,36 @@ def test_a_damaged_meta_file_refuses_to_resume(bench_inputs, bench_run, tmp_path
     err = capsys.readouterr().err
     assert "cannot be read" in err and "--no-resume" in err
     assert out.read_text() == bench_run.read_text()  # nothing added to the old results
+
+
+def test_bench_repeats_each_run_and_records_its_median_run(bench_inputs, tmp_path, capsys):
+    from caddtree.bench.runner import _repeated
+
+    a, b = (0.0, "d", 0, "a"), (0.0, "d", 1, "b")
+    todo = [(a, "x"), (a, "y"), (b, "y"), (b, "x")]
+    assert [(it[3], m, first) for it, m, first in _repeated(todo, 2)] == [
+        ("a", "x", True),
+        ("a", "y", True),
+        ("a", "y", False),
+        ("a", "x", False),
+        ("b", "y", True),
+        ("b", "x", True),
+        ("b", "x", False),
+        ("b", "y", False),
+    ]
+    out = tmp_path / "r.jsonl"
+    methods = ["--methods", "ar", "caddtree", "lookup", "--no-warmup"]
+    assert main(_args(bench_inputs, out, *methods, "--repeats", "3")) == 0
+    records = read_records(out)
+    assert len(records) == 2 * 3
+    for r in records:
+        validate_record(r, "record")
+        runs = r["wall_s_runs"]
+        assert r["repeats"] == 3 and len(runs) == 3 and r["repeats_identical"] is True
+        assert r["wall_s"] == sorted(runs)[1]  # the median run's (the same tokens each time)
+        assert r["method"] == "ar" or r["matches_ar"] is True
+    assert json.loads(out.with_name("r.meta.json").read_text())["repeats"] == 3
+    assert main(_args(bench_inputs, out, *methods, "--repeats", "2")) == 2
+    assert "repeats: 3 then, 2 now" in capsys.readouterr().err
+    assert main(_args(bench_inputs, tmp_path / "z.jsonl", *methods, "--repeats", "0")) == 2
+    assert "--repeats must be a positive integer" in capsys.readouterr().err

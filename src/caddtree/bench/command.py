@@ -98,6 +98,13 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--out", default="bench-results/results.jsonl", help="JSON lines results file")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up prompt")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each method on each prompt N times, a prompt's methods in alternating order "
+        "each time round, and record its median run (default 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed base (temperature > 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -109,6 +116,7 @@ def cli_main(args: Any) -> int:
     from ..util.devices import resolve_dtype
 
     check_int("--max-samples", args.max_samples, allow_none=True)
+    check_int("--repeats", args.repeats)
     methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
     specs = parse_methods(methods, args.budgets, args.ablations, args.lookup)
     _check_model_options(args, specs)  # cheap checks before any data or model
@@ -121,6 +129,7 @@ def cli_main(args: Any) -> int:
         max_budget=args.max_budget,
         seed=args.seed,
         warmup=not args.no_warmup,
+        repeats=args.repeats,
     )
     _load_bench_prompts(args, config)
     config.validate()

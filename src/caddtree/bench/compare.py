@@ -9,21 +9,17 @@ run on the CPU) is the plain decoding a user could pick instead.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .runner import alternating_order
+from .runner import alternating_order, median_run
 
-__all__ = ["Comparison", "compare_with_ar", "median_run"]
+__all__ = ["Comparison", "compare_with_ar"]
 
 
-def median_run(runs: Sequence[Any]) -> Any:
-    """The run of ``runs`` (results of one timed run repeated) with the median ms/token, the
-    lower of the two middle ones for an even count, so that it is a run that happened."""
-    ms = statistics.median_low(r.stats.ms_per_token for r in runs)
-    return next(r for r in runs if r.stats.ms_per_token == ms)
+def _ms_per_token(result: Any) -> float:
+    return result.stats.ms_per_token
 
 
 @dataclass
@@ -72,7 +68,10 @@ def compare_with_ar(
         for i in alternating_order(range(len(timed)), k):
             timed[i].append(run_method(k, {}) if i == 0 else ar_runs[i - 1][1]({}))
     return Comparison(
-        result=median_run(timed[0]),
-        ar_runs=[(dtype, median_run(runs)) for (dtype, _), runs in zip(ar_runs, timed[1:])],
+        result=median_run(timed[0], key=_ms_per_token),
+        ar_runs=[
+            (dtype, median_run(runs, key=_ms_per_token))
+            for (dtype, _), runs in zip(ar_runs, timed[1:])
+        ],
         every_ms=[[r.stats.ms_per_token for r in runs] for runs in timed],
     )

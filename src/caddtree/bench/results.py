@@ -203,6 +203,7 @@ RUN_KEYS = (
     "packed_layers",
     "runtime",
     "weights",
+    "repeats",
 )
 """The settings in ``results.meta.json`` that change the measurements: a resumed run must match
 the earlier one in these."""

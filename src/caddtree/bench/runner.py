@@ -40,9 +40,10 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,6 +93,7 @@ class BenchConfig:
     warmup: bool = True
     warmup_tokens: int = 32
     save_trees: bool = True
+    repeats: int = 1
 
     def validate(self) -> None:
         if not self.prompts or not any(self.prompts.values()):
@@ -104,6 +106,7 @@ class BenchConfig:
         for name, value in (
             ("max_new_tokens", self.max_new_tokens),
             ("max_budget", self.max_budget),
+            ("repeats", self.repeats),
         ):
             check_int(name, value)
 
@@ -362,6 +365,7 @@ def _run_meta(
     run_meta.setdefault("max_new_tokens", config.max_new_tokens)
     run_meta.setdefault("max_budget", config.max_budget)
     run_meta.setdefault("seed", config.seed)
+    run_meta.setdefault("repeats", config.repeats)
     run_meta.setdefault("world_size", info.world)
     if info.distributed:  # each rank's machine, by rank (one process: ``machine`` says it)
         run_meta["machines"] = all_objects(info, run_meta.get("machine"))
@@ -450,15 +454,16 @@ def _run_todo(
     info: DistInfo,
     progress: bool,
 ) -> None:
-    """Time every run of ``todo`` and append its record (and CaDDTree's draft trees) to this
-    rank's files; ``done`` gains each record."""
+    """Time every run of ``todo`` (each ``config.repeats`` times, the work item's methods in
+    alternating order each time round) and append its record, made from its median run, and
+    CaDDTree's draft trees to this rank's files; ``done`` gains each record."""
     from tqdm.auto import tqdm
 
     config = setup.config
     part = rank_path(out, info.rank) if info.distributed else out
     tree_part = rank_path(out, info.rank, trees=True) if info.distributed else trees_path(out)
     bar = tqdm(
-        total=len(todo),
+        total=len(todo) * config.repeats,
         desc=f"bench (rank {info.rank})" if info.distributed else "bench",
         unit="run",
         disable=not progress,
@@ -467,27 +472,79 @@ def _run_todo(
     # wait for it, to say whether their output is AR's, and are written when it is known
     ar_todo = {(it[1], it[2], float(it[0])) for it, spec in todo if spec.label == "ar"}
     waiting: list[dict[str, Any]] = []
+    timed: dict[tuple[int, str], list[_Outcome]] = {}
     with open(part, "a", encoding="utf-8") as fh:
-        for (t, dataset, i, item), spec in todo:
+        for (t, dataset, i, item), spec, first in _repeated(todo, config.repeats):
             bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
-            keep = config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
-            outcome = setup.run(item, spec, t, dataset, i, keep_trees=keep)
-            dtype = generator_dtype(setup.gens[spec.label])
-            rec = make_record(dataset, i, item, spec, t, outcome, dtype)
+            keep = first and config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
+            runs = timed.setdefault((id(item), spec.label), [])
+            runs.append(setup.run(item, spec, t, dataset, i, keep_trees=keep))
+            bar.update(1)
+            if len(runs) < config.repeats:
+                continue
+            del timed[(id(item), spec.label)]
+            rec = _repeated_record(dataset, i, item, spec, t, runs, setup)
             if info.distributed:
                 rec["rank"] = info.rank
-            if keep:  # before the record: once the record is there, the run is done
+            if runs[0].trees:  # before the record: once it is there, the run is done
                 with open(tree_part, "a", encoding="utf-8") as tf:
-                    for tr in _tree_records(setup.gen, dataset, i, spec, t, outcome):
+                    for tr in _tree_records(setup.gen, dataset, i, spec, t, runs[0]):
                         tf.write(json.dumps(tr) + "\n")
             done[record_key(rec)] = rec
             waiting.append(rec)
             if spec.label == "ar":
                 ar_todo.discard((dataset, i, float(t)))
             waiting = _write_settled(fh, waiting, done, ar_todo)
-            bar.update(1)
         _write_settled(fh, waiting, done, set())
     bar.close()
+
+
+def _repeated(
+    todo: list[tuple[tuple[float, str, int, Any], MethodSpec]], repeats: int
+) -> list[tuple[tuple[float, str, int, Any], MethodSpec, bool]]:
+    """``todo`` with each work item's runs (adjacent in ``todo``) ``repeats`` times over, in
+    alternating order each time round, each flagged whether it is the first time round."""
+    blocks: list[list[tuple[tuple[float, str, int, Any], MethodSpec]]] = []
+    for entry in todo:
+        if blocks and blocks[-1][0][0] is entry[0]:
+            blocks[-1].append(entry)
+        else:
+            blocks.append([entry])
+    return [
+        (item, spec, k == 0)
+        for block in blocks
+        for k in range(repeats)
+        for item, spec in alternating_order(block, k)
+    ]
+
+
+def _repeated_record(
+    dataset: str,
+    index: int,
+    item: Any,
+    spec: MethodSpec,
+    temperature: float,
+    runs: list[_Outcome],
+    setup: _Setup,
+) -> dict[str, Any]:
+    """The record of ``runs`` (one method on one prompt, repeated): its median run's, with every
+    run's wall time and whether all runs wrote the same tokens."""
+    run = median_run(runs, key=lambda r: r.wall_s / max(r.new_tokens, 1))
+    rec = make_record(
+        dataset, index, item, spec, temperature, run, generator_dtype(setup.gens[spec.label])
+    )
+    rec["repeats"] = len(runs)
+    rec["wall_s_runs"] = [r.wall_s for r in runs]
+    rec["repeats_identical"] = all(r.token_ids == runs[0].token_ids for r in runs)
+    return rec
+
+
+def median_run(runs: Sequence[T], key: Callable[[T], float]) -> T:
+    """The run of ``runs`` (one timed run repeated) with the median ``key`` (its time per
+    token), the lower of the two middle ones for an even count, so that it is a run that
+    happened."""
+    middle = statistics.median_low(key(r) for r in runs)
+    return next(r for r in runs if key(r) == middle)
 
 
 def alternating_order(items: Sequence[T], k: int) -> list[T]:
