@@ -3,7 +3,9 @@
 One *work item* is a (temperature, dataset, prompt) triple. Every method runs on it back to back,
 so machine noise hits all methods alike, in the listed order on even items and in reverse on odd
 ones, so that no method always runs first (or straight after another); every method is warmed up
-on a short untimed run before anything is timed. A record is written once the item's AR run is
+on a short untimed run before anything is timed. With ``repeats`` > 1 the item's methods run that
+many times over, in alternating order each time round, and each record is its method's median
+run (:func:`median_run`) with every run's wall time. A record is written once the item's AR run is
 done, so each record can say whether its output is identical to AR's. Rounds are timed by phase
 with the device synchronised (:class:`caddtree.engine.decoding.RoundStats`). Results are JSON lines, one
 record per (dataset, prompt, method, temperature), written and flushed as they are made. Next to
@@ -472,17 +474,17 @@ def _run_todo(
     # wait for it, to say whether their output is AR's, and are written when it is known
     ar_todo = {(it[1], it[2], float(it[0])) for it, spec in todo if spec.label == "ar"}
     waiting: list[dict[str, Any]] = []
-    timed: dict[tuple[int, str], list[_Outcome]] = {}
+    timed: dict[tuple[float, str, int, str], list[_Outcome]] = {}
     with open(part, "a", encoding="utf-8") as fh:
         for (t, dataset, i, item), spec, first in _repeated(todo, config.repeats):
             bar.set_postfix_str(f"{dataset}#{i} {spec.label} T={t:g}")
             keep = first and config.save_trees and spec.label == "caddtree" and t == 0 and i == 0
-            runs = timed.setdefault((id(item), spec.label), [])
+            runs = timed.setdefault((t, dataset, i, spec.label), [])
             runs.append(setup.run(item, spec, t, dataset, i, keep_trees=keep))
             bar.update(1)
             if len(runs) < config.repeats:
                 continue
-            del timed[(id(item), spec.label)]
+            del timed[(t, dataset, i, spec.label)]
             rec = _repeated_record(dataset, i, item, spec, t, runs, setup)
             if info.distributed:
                 rec["rank"] = info.rank
