@@ -443,3 +443,42 @@ def test_first_use_profiling_says_how_long_it_will_take(
     err = caplog.text
     assert "profiling it once (about 15 minutes, estimated" in err
     assert "float16 may have no fast kernels on this CPU" in err and "float32" in err
+
+
+def test_a_profile_on_a_busy_cpu_warns_that_its_timings_will_be_off(caplog):
+    import logging
+    import os
+
+    from caddtree.profiles import others_cpu_share, warn_if_cpu_busy
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("reads Linux's /proc/stat")
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def stat_reader(busy_per_snapshot: int):
+        snapshots = iter((1, 2))  # cumulative counts: a second snapshot adds the same again
+
+        def read() -> str:
+            k = next(snapshots)  # user nice system idle iowait irq softirq steal guest guest_nice
+            busy, idle = k * busy_per_snapshot, k * (100 - busy_per_snapshot)
+            lines = ["cpu 0 0 0 0 0 0 0 0 0 0", "cpu9999 5000 0 0 0 0 0 0 0 0 0"]  # not ours
+            lines += [f"cpu{c} {busy} 0 0 {idle} 0 0 0 0 0 0" for c in cpus]
+            return "\n".join([*lines, "intr 1 2 3"])
+
+        return read
+
+    assert others_cpu_share(0.0, stat_reader(90)) == pytest.approx(0.9)
+    assert others_cpu_share(0.0, stat_reader(5)) == pytest.approx(0.05)
+
+    def unreadable() -> str:
+        raise OSError("no /proc")
+
+    assert others_cpu_share(0.0, unreadable) is None
+    with caplog.at_level(logging.WARNING, logger="caddtree.api"):
+        warn_if_cpu_busy(torch.device("cpu"), stat_reader(5))
+        assert not caplog.records
+        warn_if_cpu_busy(torch.device("cuda"), unreadable)  # a GPU profile reads nothing
+        warn_if_cpu_busy(torch.device("cpu"), stat_reader(90))
+    (record,) = caplog.records
+    assert "other processes keep 90% of this process's CPUs busy" in record.getMessage()
+    assert "caddtree profile --out cost.json" in record.getMessage()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ __all__ = [
     "cached_cost_model",
     "cached_profile",
     "cost_ident",
+    "others_cpu_share",
     "profile_batches",
     "profile_generator",
 ]
@@ -42,6 +44,68 @@ SLOW_PROFILE_S = 300.0
 avoid it."""
 
 
+def cost_cache_dir() -> Path:
+    """Where profiled cost models are cached."""
+    return cache_root() / "cost-models"
+
+
+BUSY_SHARE = 0.25
+"""Others' share of this process's CPUs' time above which a profile on the CPU warns."""
+
+
+def others_cpu_share(
+    seconds: float = 0.25, read_stat: Callable[[], str] | None = None
+) -> float | None:
+    """The share of the time of the CPUs this process may run on that was busy over ``seconds``
+    while it slept (so: other processes' load), from Linux's ``/proc/stat``; ``None`` where that
+    cannot be read."""
+    read = read_stat or (lambda: Path("/proc/stat").read_text(encoding="ascii"))
+    try:
+        cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    except AttributeError:  # not Linux
+        return None
+    try:
+        before = _busy_and_total(read(), cpus)
+        time.sleep(seconds)
+        after = _busy_and_total(read(), cpus)
+    except (OSError, ValueError):
+        return None
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else None
+
+
+def _busy_and_total(stat: str, cpus: set[str]) -> tuple[int, int]:
+    """Busy and total jiffies of the ``cpus`` lines of ``/proc/stat``'s text (the first eight
+    fields: user, nice, system, idle, iowait, irq, softirq, steal; idle and iowait are idle)."""
+    busy = total = 0
+    for line in stat.splitlines():
+        name, *fields = line.split()
+        if name in cpus:
+            ticks = [int(x) for x in fields[:8]]
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    if total == 0:
+        raise ValueError("no CPU lines")
+    return busy, total
+
+
+def warn_if_cpu_busy(device: Any, read_stat: Callable[[], str] | None = None) -> None:
+    """Warn, before a profile on the CPU, where other processes keep its CPUs busy: the timings,
+    and the cost model fitted to them, would be theirs as much as the model's."""
+    if getattr(device, "type", device) != "cpu":
+        return
+    share = others_cpu_share(read_stat=read_stat)
+    if share is not None and share > BUSY_SHARE:
+        logger.warning(
+            "other processes keep %.0f%% of this process's CPUs busy: the profile's timings, "
+            "and so the cost model, will be off. Profile when the machine is idle "
+            "(`caddtree profile --out cost.json`, then --cost-model cost.json), or remove the "
+            "cached model (under %s) to profile again later",
+            100 * share,
+            cost_cache_dir(),
+        )
+
+
 def profile_generator(gen: Any, **kwargs: Any) -> CostModel:
     """:meth:`SpeculativeGenerator.profile <caddtree.api.SpeculativeGenerator.profile>`: measure
     the target and drafter of ``gen`` on this machine and fit a cost model."""
@@ -49,6 +113,7 @@ def profile_generator(gen: Any, **kwargs: Any) -> CostModel:
 
     if gen.proposer is None:
         raise InvalidInputError("profiling the drafting cost needs a drafter")
+    warn_if_cpu_busy(gen.verifier.device)
     meta = {"machine": machine_description(gen.verifier.device), "dtype": str(gen.verifier.dtype)}
     meta.update(getattr(gen, "source", {}))
     return profile_cost_model(gen.verifier, gen.proposer, metadata=meta, **kwargs)
@@ -173,7 +238,7 @@ def cached_profile(
     other's load and cache a fit that says rounds cost several times what they do, so the
     second waits for the first's file."""
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "cost-models"
+    folder = Path(cache_dir) if cache_dir is not None else cost_cache_dir()
     path = folder / f"{kind}-{digest}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
