@@ -463,7 +463,7 @@ def test_a_profile_on_a_busy_cpu_warns_that_its_timings_will_be_off(caplog):
             busy, idle = k * busy_per_snapshot, k * (100 - busy_per_snapshot)
             lines = ["cpu 0 0 0 0 0 0 0 0 0 0", "cpu9999 5000 0 0 0 0 0 0 0 0 0"]  # not ours
             lines += [f"cpu{c} {busy} 0 0 {idle} 0 0 0 0 0 0" for c in cpus]
-            return "\n".join([*lines, "intr 1 2 3"])
+            return "\n".join([*lines, "", "intr 1 2 3"])
 
         return read
 

@@ -68,7 +68,7 @@ def others_cpu_share(
         before = _busy_and_total(read(), cpus)
         time.sleep(seconds)
         after = _busy_and_total(read(), cpus)
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         return None
     total = after[1] - before[1]
     return (after[0] - before[0]) / total if total > 0 else None
@@ -79,9 +79,9 @@ def _busy_and_total(stat: str, cpus: set[str]) -> tuple[int, int]:
     fields: user, nice, system, idle, iowait, irq, softirq, steal; idle and iowait are idle)."""
     busy = total = 0
     for line in stat.splitlines():
-        name, *fields = line.split()
-        if name in cpus:
-            ticks = [int(x) for x in fields[:8]]
+        fields = line.split()
+        if fields and fields[0] in cpus:
+            ticks = [int(x) for x in fields[1:9]]
             total += sum(ticks)
             busy += sum(ticks) - ticks[3] - ticks[4]
     if total == 0:
