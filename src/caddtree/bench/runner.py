@@ -508,7 +508,7 @@ def _repeated(
     alternating order each time round, each flagged whether it is the first time round."""
     blocks: list[list[tuple[tuple[float, str, int, Any], MethodSpec]]] = []
     for entry in todo:
-        if blocks and blocks[-1][0][0] is entry[0]:
+        if blocks and blocks[-1][0][0] == entry[0]:
             blocks[-1].append(entry)
         else:
             blocks.append([entry])
