@@ -93,7 +93,11 @@ def main() -> None:
         print(f"{name:>16}: {us:9.1f} us")
     first = med["index"] + med["trie"] + med["caddtree+copies"] - med["caddtree"]
     print(f"first round's overhead at {args.tokens} tokens: {first / 1e3:.2f} ms")
-    print(f"trie: order {trie.order}, {len(trie)} nodes; index {index._keys.nbytes} B of hashes")
+    merged = len(items["caddtree+copies"]())
+    print(
+        f"trie: a match of {trie.match} tokens, {len(trie)} nodes; merged tree {merged} nodes "
+        f"(the drafter's alone {len(items['caddtree']())}); index {index._keys.nbytes} B of hashes"
+    )
 
 
 if __name__ == "__main__":

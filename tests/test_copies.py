@@ -21,8 +21,8 @@ from caddtree.core.tree import build_ddtree
 def test_the_index_finds_the_newest_occurrences_of_the_longest_suffix():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]
     index = ContextIndex(tokens)
-    order, found = index.continuations(depth=3)
-    assert order == 3 and [f.tolist() for f in found] == [[7, 1, 2], [9, 1, 2]]
+    match, found = index.continuations(depth=3)
+    assert match == 3 and [f.tolist() for f in found] == [[7, 1, 2], [9, 1, 2]]
     # the continuation stops at the end of the text
     assert [f.tolist() for f in ContextIndex([5, 6, 5]).continuations(4)[1]] == [[6, 5]]
     assert ContextIndex([1, 2, 3]).continuations(4) == (0, [])
@@ -53,7 +53,7 @@ def test_the_index_memory_grows_with_the_text_only():
 
 
 def test_a_trie_shares_common_prefixes_and_prices_them():
-    trie = CopyTrie(order=2)
+    trie = CopyTrie(match=2)
     for continuation in ([5, 6, 7], [5, 6, 8], [5, 9]):
         trie.add(continuation)
     assert len(trie) == 5 and trie.counts[:3] == [3, 3, 2]
@@ -85,7 +85,7 @@ def test_rates_learn_from_verified_rounds_and_pool_across_requests():
 
 def random_case(rng, vocab, depth, branches):
     logits = rng.normal(size=(depth, vocab)) * 2
-    trie = CopyTrie(order=int(rng.integers(1, 4)))
+    trie = CopyTrie(match=int(rng.integers(1, 4)))
     for _ in range(branches):
         trie.add(rng.integers(0, vocab, int(rng.integers(1, depth + 1))).tolist())
     trie.log_conditional = [0.0] + np.log(rng.uniform(0.01, 0.99, len(trie))).tolist()
@@ -152,7 +152,7 @@ def test_a_draft_vocabulary_and_copies_meet_in_target_ids():
     rng = np.random.default_rng(7)
     to_target = np.array([10, 3, 7])  # draft id -> target id; target 5 is outside the draft
     logits = rng.normal(size=(2, 3))
-    trie = CopyTrie(order=2)
+    trie = CopyTrie(match=2)
     trie.add([5, 3])
     trie.add([7, 10])
     trie.log_conditional = [0.0] + np.log(rng.uniform(0.2, 0.9, len(trie))).tolist()
@@ -174,7 +174,7 @@ def test_without_copies_the_merged_tree_is_ddtrees(seed):
 
 
 def test_copies_alone_make_a_tree_without_a_drafter():
-    trie = CopyTrie(order=3)
+    trie = CopyTrie(match=3)
     trie.add([4, 5, 6])
     trie.add([4, 8])
     trie.price(CopyRates(default=0.6))
@@ -229,7 +229,7 @@ def test_a_topk_draft_gives_no_mass_outside_its_candidates():
 
     log_q = np.log(np.array([[0.5, 0.3], [0.6, 0.2]]))
     topk = TopK(log_q, np.array([[4, 2], [1, 4]]))
-    trie = CopyTrie(order=1)
+    trie = CopyTrie(match=1)
     trie.add([7, 1])  # 7 is outside the drafter's candidates; 1 is its top-1 at depth 2
     trie.log_conditional = [0.0, math.log(0.4), math.log(0.1)]
     (tree,) = build_merged([MergedSource(Candidates(topk), trie)], 10)
@@ -240,11 +240,32 @@ def test_a_topk_draft_gives_no_mass_outside_its_candidates():
 
 
 def test_the_prior_trusts_longer_matches_and_later_tokens_more():
-    from caddtree.core.copies import prior_rate
+    from caddtree.core.copies import match_class, prior_rate
 
+    lengths = (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 100)
+    assert [match_class(m) for m in lengths] == [1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7]
     for depth in (1, 2, 5):
-        assert [prior_rate(o, depth) for o in (1, 2, 3, 4)] == sorted(
-            prior_rate(o, depth) for o in (1, 2, 3, 4)
-        )
-    assert prior_rate(2, 1) < prior_rate(2, 2) < prior_rate(2, 3) == prior_rate(2, 9) <= 0.95
-    assert CopyRates().rate(4, 1) == pytest.approx(prior_rate(4, 1))
+        rates = [prior_rate(m, depth) for m in lengths]
+        assert rates == sorted(rates) and len(set(rates)) == 7
+    assert prior_rate(2, 1) < prior_rate(2, 2) < prior_rate(2, 3) == prior_rate(2, 9) < 1
+    assert CopyRates().rate(40, 1) == pytest.approx(prior_rate(40, 1))
+    # a request learns per class: hits at long matches leave short ones where they were
+    rates = CopyRates()
+    for _ in range(20):
+        rates._count(40, 1, True)
+        rates._count(2, 1, False)
+    assert rates.rate(33, 1) > prior_rate(33, 1) and rates.rate(2, 1) < prior_rate(2, 1)
+    assert rates.rate(5, 1) == pytest.approx(prior_rate(5, 1))
+
+
+def test_the_index_keeps_the_occurrences_of_the_longest_match_and_measures_it():
+    # "7 1 2 3" occurred once after a long shared run and later after a different token
+    shared = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    tokens = [*shared, 1, 2, 3, 40, 41, 9, 1, 2, 3, 50, 51, 8, *shared, 1, 2, 3]
+    match, found = ContextIndex(tokens).continuations(depth=2)
+    assert match == 13 and [f.tolist() for f in found] == [[40, 41]]
+    # matches of one class keep the newest first; a match stops at the text's start
+    match, found = ContextIndex([5, 1, 2, 6, 1, 2, 7, 1, 2]).continuations(depth=1)
+    assert match == 2 and [f.tolist() for f in found] == [[7], [6]]
+    match, found = ContextIndex([1, 2, 1, 2]).continuations(depth=1)
+    assert match == 2 and [f.tolist() for f in found] == [[1]]

@@ -2,14 +2,15 @@
 few tokens (prompt-lookup decoding's source), with an acceptance estimate learnt as they are
 verified.
 
-:class:`ContextIndex` holds one request's prompt and output and finds, for the longest suffix of up
-to ``max_order`` tokens that occurred before, what followed its most recent occurrences.
-:func:`copy_trie` turns those continuations into a :class:`CopyTrie` (one branch per distinct
-continuation, with how many occurrences share each node), priced by :class:`CopyRates`: the
-estimated probability that the target accepts a copied token given that its parent was accepted,
-per suffix order and depth, learnt from every verified round (:meth:`CopyRates.observe`) with a
-pooled estimate as its prior. The tree builders (:mod:`caddtree.core.merged`) put the trie's nodes
-and the drafter's on one scale.
+:class:`ContextIndex` holds one request's prompt and output and finds the longest suffix of up to
+``max_order`` tokens that occurred before, extends each occurrence's match backwards (up to
+:data:`MAX_MATCH` tokens) and takes what followed the most recent occurrences whose match is in the
+longest one's class (:func:`match_class`). :func:`copy_trie` turns those continuations into a
+:class:`CopyTrie` (one branch per distinct continuation, with how many occurrences share each
+node), priced by :class:`CopyRates`: the estimated probability that the target accepts a copied
+token given that its parent was accepted, per match class and depth, learnt from every verified
+round (:meth:`CopyRates.observe`) with a pooled estimate as its prior. The tree builders
+(:mod:`caddtree.core.merged`) put the trie's nodes and the drafter's on one scale.
 
 Memory per request: the token ids and one 64-bit hash per order and token, ``8 * (1 + max_order)``
 bytes a token (160 KiB for 4,096 tokens at the default order 4), grown by doubling.
@@ -17,6 +18,7 @@ bytes a token (160 KiB for 4,096 tokens at the default order 4), grown by doubli
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,12 +27,14 @@ import numpy as np
 
 __all__ = [
     "MAX_DEPTH_BUCKET",
+    "MAX_MATCH",
     "MAX_OCCURRENCES",
     "MAX_ORDER",
     "ContextIndex",
     "CopyRates",
     "CopyTrie",
     "copy_trie",
+    "match_class",
     "prior_rate",
 ]
 
@@ -40,21 +44,45 @@ MAX_ORDER = 4
 MAX_OCCURRENCES = 4
 """How many of the suffix's most recent earlier occurrences give a continuation."""
 
+MAX_SCANNED = 32
+"""How many of the suffix's most recent earlier occurrences are compared for the longest match."""
+
+MAX_MATCH = 32
+"""How far back an occurrence's match with the text's end is followed."""
+
 MAX_DEPTH_BUCKET = 8
 """Copied tokens this deep or deeper share one acceptance estimate."""
 
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 
-PRIOR_BY_ORDER = (0.0, 0.35, 0.6, 0.7, 0.85)
-"""Where a pool's estimate starts, by suffix order: longer matches are accepted more often, and
-a copy's later tokens more than its first (:func:`prior_rate`; docs/design.md, "Copies from the
-context", for where these come from)."""
+CLASS_BOUNDS = (1, 2, 3, 4, 8, 16, 32)
+"""The shortest match of each class: a match of 1, 2 or 3 tokens, 4-7, 8-15, 16-31, 32 or more
+(:func:`match_class`)."""
+
+PRIOR_BY_CLASS = (
+    (0.0, 0.0, 0.0),
+    (0.3, 0.55, 0.65),
+    (0.55, 0.65, 0.7),
+    (0.65, 0.7, 0.75),
+    (0.75, 0.8, 0.82),
+    (0.85, 0.88, 0.9),
+    (0.92, 0.93, 0.94),
+    (0.97, 0.98, 0.98),
+)
+"""Where a pool's estimate starts, by match class and depth (1, 2, 3 and deeper): longer matches
+are accepted more often, and a copy's later tokens more than its first (:func:`prior_rate`;
+``benchmarks/copy_rates.py`` and docs/design.md, "Copies from the context", for where these come
+from)."""
 
 
-def prior_rate(order: int, depth: int) -> float:
-    """The starting estimate of a copied token at ``depth`` of a suffix of ``order`` tokens."""
-    base = PRIOR_BY_ORDER[min(order, MAX_ORDER)]
-    return min(0.95, base + 0.1 * (min(depth, 3) - 1))
+def match_class(length: int) -> int:
+    """The class of a match of ``length`` tokens (0: none; :data:`CLASS_BOUNDS`)."""
+    return bisect.bisect_right(CLASS_BOUNDS, length)
+
+
+def prior_rate(match: int, depth: int) -> float:
+    """The starting estimate of a copied token at ``depth`` below a match of ``match`` tokens."""
+    return PRIOR_BY_CLASS[match_class(match)][min(max(depth, 1), 3) - 1]
 
 
 class ContextIndex:
@@ -99,33 +127,64 @@ class ContextIndex:
     def continuations(
         self, depth: int, occurrences: int = MAX_OCCURRENCES
     ) -> tuple[int, list[np.ndarray]]:
-        """``(order, continuations)``: the longest suffix of at most ``max_order`` tokens that
-        occurred before, and the up to ``depth`` tokens that followed each of its ``occurrences``
-        most recent earlier occurrences (newest first); ``(0, [])`` when no token recurs."""
+        """``(match, continuations)``: for the longest suffix of at most ``max_order`` tokens that
+        occurred before, the up to ``depth`` tokens that followed each of its ``occurrences`` most
+        recent earlier occurrences (newest first) whose match with the text's end, followed back up
+        to :data:`MAX_MATCH` tokens, is in the class of the longest such match (of the
+        :data:`MAX_SCANNED` newest), and that match's length; ``(0, [])`` when no token recurs."""
         end, tokens = self.length, self.tokens
         for n in range(min(self.max_order, end - 1), 0, -1):
             keys = self._keys[n - 1, : end - 1]
             ends = np.flatnonzero(keys[n - 1 :] == self._keys[n - 1, end - 1]) + (n - 1)
-            suffix = tokens[end - n :]
-            found = []
-            for last in ends[::-1].tolist():  # newest first; a hash match is checked token by token
-                if np.array_equal(tokens[last - n + 1 : last + 1], suffix):
-                    found.append(tokens[last + 1 : min(last + 1 + depth, end)])
-                    if len(found) == occurrences:
-                        break
-            if found:
-                return n, found
+            lasts, lengths = self._newest_matches(ends[::-1], n)
+            if lasts.size:
+                longest = int(lengths.max())
+                best = lasts[_classes(lengths) == match_class(longest)][:occurrences]
+                return longest, [tokens[last + 1 : last + 1 + depth] for last in best.tolist()]
         return 0, []
+
+    def _newest_matches(self, ends: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Of the hash matches ``ends`` (newest first), the :data:`MAX_SCANNED` newest whose last
+        ``n`` tokens are those of the text's end (checked token by token), with their match
+        lengths."""
+        lasts, lengths = [], []
+        found = 0
+        for start in range(0, ends.size, MAX_SCANNED):
+            chunk = ends[start : start + MAX_SCANNED]
+            length = self._match_lengths(chunk)
+            real = length >= n
+            lasts.append(chunk[real])
+            lengths.append(length[real])
+            found += int(real.sum())
+            if found >= MAX_SCANNED:
+                break
+        if not lasts:
+            return ends[:0], ends[:0]
+        return np.concatenate(lasts)[:MAX_SCANNED], np.concatenate(lengths)[:MAX_SCANNED]
+
+    def _match_lengths(self, lasts: np.ndarray) -> np.ndarray:
+        """For each position in ``lasts``, how many tokens up to it equal those up to the text's
+        end (at most :data:`MAX_MATCH`; the text's start ends a match)."""
+        back = np.arange(min(MAX_MATCH, self.length))
+        at = lasts[:, None] - back[None, :]
+        tokens = self.tokens
+        same = (at >= 0) & (tokens[np.maximum(at, 0)] == tokens[self.length - 1 - back][None, :])
+        return np.where(same.all(axis=1), back.size, np.argmin(same, axis=1))
+
+
+def _classes(lengths: np.ndarray) -> np.ndarray:
+    """:func:`match_class` of each of ``lengths``."""
+    return np.searchsorted(CLASS_BOUNDS, lengths, side="right")
 
 
 @dataclass
 class CopyTrie:
-    """The continuations of one suffix as a trie below the bonus token (node 0, the root): for
-    each node its token, parent, depth (the root's is 0), how many continuations pass through it
-    and its children by token. ``log_conditional[v]``: the log of the estimated probability that
+    """The continuations of one suffix as a trie below the bonus token (node 0, the root), with the
+    length of their match with the text's end: for each node its token, parent, depth (the root's
+    is 0), how many continuations pass through it and its children by token. ``log_conditional[v]``: the log of the estimated probability that
     the target accepts node ``v`` given that its parent was accepted."""
 
-    order: int
+    match: int
     tokens: list[int] = field(default_factory=lambda: [-1])
     parents: list[int] = field(default_factory=lambda: [-1])
     depths: list[int] = field(default_factory=lambda: [0])
@@ -155,11 +214,11 @@ class CopyTrie:
             node = child
 
     def price(self, rates: CopyRates) -> None:
-        """Each node's estimate: the rate of its order and depth times its share of its parent's
+        """Each node's estimate: the rate of its match and depth times its share of its parent's
         continuations."""
         for v in range(1, len(self.tokens)):
             share = self.counts[v] / self.counts[self.parents[v]]
-            self.log_conditional[v] = math.log(rates.rate(self.order, self.depths[v]) * share)
+            self.log_conditional[v] = math.log(rates.rate(self.match, self.depths[v]) * share)
 
     def chain(self) -> list[int]:
         """The nodes of the most shared path from the root (ties: the newest continuation, whose
@@ -175,10 +234,10 @@ def copy_trie(index: ContextIndex, rates: CopyRates, depth: int) -> CopyTrie | N
     """The priced trie of ``index``'s continuations, at most ``depth`` deep; None without any."""
     if depth <= 0:
         return None
-    order, found = index.continuations(depth)
+    match, found = index.continuations(depth)
     if not found:
         return None
-    trie = CopyTrie(order)
+    trie = CopyTrie(match)
     for continuation in reversed(found):  # the oldest first: node numbers grow with recency
         trie.add(continuation.tolist())
     trie.price(rates)
@@ -186,26 +245,30 @@ def copy_trie(index: ContextIndex, rates: CopyRates, depth: int) -> CopyTrie | N
 
 
 class CopyRates:
-    """How often the target accepts a copied token whose parent it accepted, by suffix order and
-    depth: counts of trials and hits, shrunk towards ``prior`` (a pooled :class:`CopyRates`, e.g.
-    over a batch's requests or a generator's calls) by ``strength`` pseudo-trials; without a prior,
-    towards ``default`` (``None``: :func:`prior_rate`)."""
+    """How often the target accepts a copied token whose parent it accepted, by match class
+    (:func:`match_class`) and depth: counts of trials and hits, shrunk towards ``prior`` (a pooled
+    :class:`CopyRates`, e.g. over a batch's requests or a generator's calls) by ``strength``
+    pseudo-trials; without a prior, towards ``default`` (``None``: :func:`prior_rate`)."""
 
     def __init__(
         self, prior: CopyRates | None = None, strength: float = 4.0, default: float | None = None
     ) -> None:
         self.prior, self.strength, self.default = prior, strength, default
-        shape = (MAX_ORDER + 1, MAX_DEPTH_BUCKET + 1)
+        shape = (len(CLASS_BOUNDS) + 1, MAX_DEPTH_BUCKET + 1)
         self.trials, self.hits = np.zeros(shape), np.zeros(shape)
 
-    def rate(self, order: int, depth: int) -> float:
-        """The estimate for a copied token at ``depth`` of a suffix of ``order`` tokens."""
-        o, d = min(order, MAX_ORDER), min(depth, MAX_DEPTH_BUCKET)
+    def rate(self, match: int, depth: int) -> float:
+        """The estimate for a copied token at ``depth`` below a match of ``match`` tokens."""
+        return self._rate(match_class(match), min(depth, MAX_DEPTH_BUCKET))
+
+    def _rate(self, c: int, d: int) -> float:
         if self.prior is not None:
-            base = self.prior.rate(o, d)
+            base = self.prior._rate(c, d)
+        elif self.default is None:
+            base = PRIOR_BY_CLASS[c][min(max(d, 1), 3) - 1]
         else:
-            base = prior_rate(o, d) if self.default is None else self.default
-        rate = (self.hits[o, d] + self.strength * base) / (self.trials[o, d] + self.strength)
+            base = self.default
+        rate = (self.hits[c, d] + self.strength * base) / (self.trials[c, d] + self.strength)
         return min(max(rate, 1e-4), 1.0 - 1e-4)
 
     def observe(self, trie: CopyTrie | None, chosen: Sequence[int]) -> None:
@@ -218,14 +281,14 @@ class CopyRates:
         for token in chosen:
             if not trie.children[node]:
                 return
-            self._count(trie.order, trie.depths[node] + 1, token in trie.children[node])
+            self._count(trie.match, trie.depths[node] + 1, token in trie.children[node])
             node = trie.children[node].get(int(token), -1)
             if node < 0:
                 return
 
-    def _count(self, order: int, depth: int, hit: bool) -> None:
-        o, d = min(order, MAX_ORDER), min(depth, MAX_DEPTH_BUCKET)
+    def _count(self, match: int, depth: int, hit: bool) -> None:
+        c, d = match_class(match), min(depth, MAX_DEPTH_BUCKET)
         for rates in (self, self.prior):
             if rates is not None:
-                rates.trials[o, d] += 1
-                rates.hits[o, d] += hit
+                rates.trials[c, d] += 1
+                rates.hits[c, d] += hit
