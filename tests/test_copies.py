@@ -192,9 +192,12 @@ def test_the_cost_aware_stop_is_the_best_size_under_a_convex_cost(seed):
     slopes = np.sort(rng.uniform(0.0, 0.5, max_nodes))  # non-decreasing: a convex cost
     costs = 1.0 + float(rng.uniform(0, 2)) + np.concatenate(([0.0], np.cumsum(slopes)))
     phi = np.concatenate(([0.0], np.cumsum(np.exp([s for s, _ in scored]))))
-    theta = (1.0 + phi) / costs
+    # kappa: tokens accepted per unit of mass (the batch's calibration); the stop weighs 1 + kappa Phi
+    kappa = float(rng.choice([1.0, 0.4, 2.5]))
+    theta = (1.0 + kappa * phi) / costs
     best = int(np.argmax(theta))
-    (tree,) = build_merged([MergedSource(Candidates(logits), trie)], max_nodes, costs.tolist())
+    source = MergedSource(Candidates(logits), trie)
+    (tree,) = build_merged([source], max_nodes, costs.tolist(), 1.0 / kappa)
     assert len(tree) == best and math.isclose(theta[len(tree)], theta.max())
 
 
