@@ -181,8 +181,9 @@ def _classes(lengths: np.ndarray) -> np.ndarray:
 class CopyTrie:
     """The continuations of one suffix as a trie below the bonus token (node 0, the root), with the
     length of their match with the text's end: for each node its token, parent, depth (the root's
-    is 0), how many continuations pass through it and its children by token. ``log_conditional[v]``: the log of the estimated probability that
-    the target accepts node ``v`` given that its parent was accepted."""
+    is 0), how many continuations pass through it and its children by token.
+    ``log_conditional[v]``: the log of the estimated probability that the target accepts node
+    ``v`` given that its parent was accepted."""
 
     match: int
     tokens: list[int] = field(default_factory=lambda: [-1])
