@@ -82,7 +82,12 @@ def match_class(length: int) -> int:
 
 def prior_rate(match: int, depth: int) -> float:
     """The starting estimate of a copied token at ``depth`` below a match of ``match`` tokens."""
-    return PRIOR_BY_CLASS[match_class(match)][min(max(depth, 1), 3) - 1]
+    return _class_prior(match_class(match), depth)
+
+
+def _class_prior(c: int, depth: int) -> float:
+    """:data:`PRIOR_BY_CLASS` of class ``c`` at ``depth`` (the third and deeper share one)."""
+    return PRIOR_BY_CLASS[c][min(max(depth, 1), 3) - 1]
 
 
 class ContextIndex:
@@ -139,7 +144,8 @@ class ContextIndex:
             lasts, lengths = self._newest_matches(ends[::-1], n)
             if lasts.size:
                 longest = int(lengths.max())
-                best = lasts[_classes(lengths) == match_class(longest)][:occurrences]
+                shortest_of_class = CLASS_BOUNDS[match_class(longest) - 1]
+                best = lasts[lengths >= shortest_of_class][:occurrences]
                 return longest, [tokens[last + 1 : last + 1 + depth] for last in best.tolist()]
         return 0, []
 
@@ -170,11 +176,6 @@ class ContextIndex:
         tokens = self.tokens
         same = (at >= 0) & (tokens[np.maximum(at, 0)] == tokens[self.length - 1 - back][None, :])
         return np.where(same.all(axis=1), back.size, np.argmin(same, axis=1))
-
-
-def _classes(lengths: np.ndarray) -> np.ndarray:
-    """:func:`match_class` of each of ``lengths``."""
-    return np.searchsorted(CLASS_BOUNDS, lengths, side="right")
 
 
 @dataclass
@@ -266,7 +267,7 @@ class CopyRates:
         if self.prior is not None:
             base = self.prior._rate(c, d)
         elif self.default is None:
-            base = PRIOR_BY_CLASS[c][min(max(d, 1), 3) - 1]
+            base = _class_prior(c, d)
         else:
             base = self.default
         rate = (self.hits[c, d] + self.strength * base) / (self.trials[c, d] + self.strength)
