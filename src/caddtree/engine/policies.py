@@ -280,8 +280,10 @@ def copies_alone(policy: TreePolicy, trie: CopyTrie | None, context_length: int)
 class DraftGate:
     """Whether a CaDDTree round with copies from the context runs the drafter at all: not when
     the copies alone promise more tokens per second (their surrogate, priced without the
-    drafter's pass) than the recent rounds that drafted delivered (tokens committed over their
-    modelled cost). The first :data:`WARM` rounds draft; after ``interval`` rounds in a row
+    drafter's pass) than the last :data:`RECENT` rounds that drafted delivered (tokens committed
+    over their modelled cost: a drafter's rounds accept 0 to a few tokens each, so a short record
+    would follow a bad stretch and leave the drafter out where it pays). The first :data:`WARM`
+    rounds draft; after ``interval`` rounds in a row
     without the drafter, one drafts again so that what drafting delivers stays measured, and
     where that round does not change the choice the interval doubles (from :data:`EXPLORE` up
     to :data:`MAX_EXPLORE`), so a drafter that keeps losing to the copies costs ever fewer
@@ -290,7 +292,7 @@ class DraftGate:
     WARM = 2
     EXPLORE = 8
     MAX_EXPLORE = 64
-    RECENT = 16
+    RECENT = 64
 
     def __init__(self) -> None:
         self.drafted: deque[tuple[int, float]] = deque(maxlen=self.RECENT)
