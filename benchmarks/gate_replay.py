@@ -44,9 +44,8 @@ def replay(gen, text: str, lookup: bool, max_new_tokens: int) -> tuple[int, int,
     """Tokens, rounds and the modelled seconds of one greedy decode, the copies' rates started
     afresh."""
     rounds = []
-    gen.copy_rates = (
-        CopyRates()
-    )  # each decode starts from the prior, as caddtree bench's records do
+    # each decode starts from the prior, as caddtree bench's records do
+    gen.copy_rates = CopyRates()
     result = gen.generate(
         text,
         method="caddtree",
@@ -87,7 +86,8 @@ def main() -> None:
             for key in (dataset, "all"):
                 for i, value in enumerate(figures):
                     totals[key][i] += value
-        for dataset, (tokens, rounds, seconds) in totals.items():
+        for dataset in sorted(totals, key=lambda key: key == "all"):  # "all" last
+            tokens, rounds, seconds = totals[dataset]
             tau, ms = tokens / rounds, 1e3 * seconds / tokens
             print(f"| {label} | {dataset} | {tokens:.0f} | {rounds:.0f} | {tau:.2f} | {ms:.3f} |")
 

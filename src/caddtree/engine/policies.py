@@ -283,11 +283,10 @@ class DraftGate:
     drafter's pass) than the last :data:`RECENT` rounds that drafted delivered (tokens committed
     over their modelled cost: a drafter's rounds accept 0 to a few tokens each, so a short record
     would follow a bad stretch and leave the drafter out where it pays). The first :data:`WARM`
-    rounds draft; after ``interval`` rounds in a row
-    without the drafter, one drafts again so that what drafting delivers stays measured, and
-    where that round does not change the choice the interval doubles (from :data:`EXPLORE` up
-    to :data:`MAX_EXPLORE`), so a drafter that keeps losing to the copies costs ever fewer
-    rounds."""
+    rounds draft; after ``interval`` rounds in a row without the drafter, one drafts again so
+    that what drafting delivers stays measured, and where that round does not change the choice
+    the interval doubles (from :data:`EXPLORE` up to :data:`MAX_EXPLORE`), so a drafter that
+    keeps losing to the copies costs ever fewer rounds."""
 
     WARM = 2
     EXPLORE = 8
