@@ -24,8 +24,7 @@ from caddtree.arguments import load_pair
 from caddtree.bench.datasets import load_benchmark
 from caddtree.core.copies import CopyRates
 from caddtree.engine.policies import DraftGate
-
-README_PROMPT = "Write a Python function that checks whether a number is prime."
+from chat_prompts import PROMPTS
 
 
 def prompts(datasets: list[str], samples: int, prompt_file: str | None) -> list[tuple[str, str]]:
@@ -37,12 +36,12 @@ def prompts(datasets: list[str], samples: int, prompt_file: str | None) -> list[
             chosen += [
                 ("context-reuse", json.loads(line)["turns"][0]) for line in f if line.strip()
             ]
-    return [*chosen, ("readme", README_PROMPT)]
+    return [*chosen, ("readme", PROMPTS[0])]
 
 
-def replay(gen, text: str, lookup: bool, max_new_tokens: int) -> tuple[int, int, float]:
-    """Tokens, rounds and the modelled seconds of one greedy decode, the copies' rates started
-    afresh."""
+def replay(gen, policy, text: str, lookup: bool, max_new_tokens: int) -> tuple[int, int, float]:
+    """Tokens, rounds and the modelled seconds (priced by ``policy``) of one greedy decode, the
+    copies' rates started afresh."""
     rounds = []
     # each decode starts from the prior, as caddtree bench's records do
     gen.copy_rates = CopyRates()
@@ -54,7 +53,6 @@ def replay(gen, text: str, lookup: bool, max_new_tokens: int) -> tuple[int, int,
         temperature=0,
         callback=lambda stats, _: rounds.append(stats) if stats is not None else None,
     )
-    policy = gen.policy("caddtree")
     seconds = sum(
         policy.limits(s.context_length, drafting=s.draft_s > 0)[1][s.budget] for s in rounds
     )
@@ -74,6 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     gen = load_pair(None, None, dtype="bfloat16", method="caddtree", cost_model=args.cost_model)
     chosen = prompts(args.datasets, args.samples, args.prompts)
+    policy = gen.policy("caddtree")
     variants = [(f"caddtree+lookup, recent {r}", True, r) for r in args.recent]
     print(
         "| variant | data set | tokens | rounds | tau | modelled ms/tok |\n|:--|:--|--:|--:|--:|--:|"
@@ -82,7 +81,7 @@ def main() -> None:
         DraftGate.RECENT = recent
         totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
         for dataset, text in chosen:
-            figures = replay(gen, text, lookup, args.max_new_tokens)
+            figures = replay(gen, policy, text, lookup, args.max_new_tokens)
             for key in (dataset, "all"):
                 for i, value in enumerate(figures):
                     totals[key][i] += value
