@@ -14,7 +14,7 @@ import pytest
 from caddtree.core import copies
 from caddtree.core.candidates import Candidates
 from caddtree.core.copies import ContextIndex, CopyRates, CopyTrie, copy_trie
-from caddtree.core.merged import MergedSource, build_merged
+from caddtree.core.merged import MergedSource, build_copies, build_merged
 from caddtree.core.tree import build_ddtree
 
 
@@ -181,6 +181,33 @@ def test_copies_alone_make_a_tree_without_a_drafter():
     (tree,) = build_merged([MergedSource(None, trie)], 10)
     assert sorted(tree_paths(tree)) == [(4,), (4, 5), (4, 5, 6), (4, 8)]
     assert tree.copied.all() and (np.diff(tree.log_probs) <= 1e-12).all()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_tree_of_copies_alone_is_the_merged_expansions_without_a_drafter(seed):
+    rng = np.random.default_rng(300 + seed)
+    trie = CopyTrie(match=int(rng.integers(1, 40)))
+    for _ in range(int(rng.integers(1, 5))):
+        trie.add(rng.integers(0, 3, int(rng.integers(1, 9))).tolist())
+    trie.price(CopyRates(default=float(rng.uniform(0.2, 0.95))))
+    slopes = np.sort(rng.uniform(0.0, 0.5, len(trie)))
+    costs = (1.0 + np.concatenate(([0.0], np.cumsum(slopes)))).tolist()
+    for max_nodes, denominators in (
+        (len(trie), None),
+        (int(rng.integers(1, 6)), None),
+        (len(trie), costs),
+    ):
+        (merged,) = build_merged([MergedSource(None, trie)], max_nodes, denominators)
+        alone = build_copies(trie, max_nodes, denominators)
+        assert len(alone) == len(merged) and math.isclose(alone.phi, merged.phi)
+        assert (np.diff(alone.log_probs) <= 0).all() and alone.copied.all()
+        # a tree: every node's parent comes before it and carries its path's prefix
+        paths = tree_paths(alone)
+        assert all(path[:-1] in paths[:i] or len(path) == 1 for i, path in enumerate(paths))
+        every = build_copies(trie, len(trie)).log_probs
+        if len(set(np.round(every, 12))) == len(trie):  # no ties: the same nodes
+            assert sorted(paths) == sorted(tree_paths(merged))
+    assert len(build_copies(None, 5)) == 0 and len(build_copies(trie, 0)) == 0
 
 
 @pytest.mark.parametrize("seed", range(30))

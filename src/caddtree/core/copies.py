@@ -218,9 +218,11 @@ class CopyTrie:
     def price(self, rates: CopyRates) -> None:
         """Each node's estimate: the rate of its match and depth times its share of its parent's
         continuations."""
+        by_depth = [rates.rate(self.match, d) for d in range(MAX_DEPTH_BUCKET + 1)]
         for v in range(1, len(self.tokens)):
             share = self.counts[v] / self.counts[self.parents[v]]
-            self.log_conditional[v] = math.log(rates.rate(self.match, self.depths[v]) * share)
+            rate = by_depth[min(self.depths[v], MAX_DEPTH_BUCKET)]
+            self.log_conditional[v] = math.log(rate * share)
 
     def chain(self) -> list[int]:
         """The nodes of the most shared path from the root (ties: the newest continuation, whose

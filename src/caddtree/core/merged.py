@@ -33,7 +33,7 @@ from .candidates import Candidates
 from .copies import CopyTrie
 from .tree import DraftTree
 
-__all__ = ["MergedSource", "build_merged"]
+__all__ = ["MergedSource", "build_copies", "build_merged"]
 
 _UNREAD, _COPY, _DRAFT = 0, 1, 2
 
@@ -220,3 +220,34 @@ def _replace_top(heap: list, s: MergedSource, r: int, slot: int) -> None:
         return
     entry = (-(s.score[slot] + found[0]), r, slot, found[1])
     heapq.heapreplace(heap, entry)
+
+
+def build_copies(
+    trie: CopyTrie | None, max_nodes: int, denominators: Sequence[float] | None = None
+) -> DraftTree:
+    """:func:`build_merged` of ``trie``'s copies alone, without the heap: every copied node's
+    estimate is known up front, so the best-first order is the nodes sorted by estimate (a child's
+    is below its parent's, so every prefix of that order is a tree) and the cost-aware stop is the
+    first ``n`` where ``theta*(n+1) <= theta*(n)``, ``theta*(n) = (1 + Phi(n)) / denominators[n]``.
+    Nodes of equal estimates come in the order the trie holds them."""
+    if trie is None or not len(trie) or max_nodes <= 0:
+        return DraftTree.empty()
+    parents, cond = trie.parents, trie.log_conditional
+    score = [0.0] * len(trie.tokens)
+    for v in range(1, len(score)):  # a node's parent comes before it in the trie
+        score[v] = score[parents[v]] + cond[v]
+    order = sorted(range(1, len(score)), key=lambda v: -score[v])[:max_nodes]
+    if denominators is not None:
+        phi = np.concatenate(([0.0], np.cumsum(np.exp([score[v] for v in order]))))
+        theta = (1.0 + phi) / np.asarray(denominators[: len(order) + 1])
+        falls = np.flatnonzero(theta[1:] <= theta[:-1])
+        order = order[: falls[0]] if falls.size else order
+    place = {v: i for i, v in enumerate(order)}
+    return DraftTree(
+        [trie.tokens[v] for v in order],
+        [place.get(parents[v], -1) for v in order],
+        [trie.depths[v] for v in order],
+        [score[v] for v in order],
+        np.full(len(order), -1),
+        np.ones(len(order), dtype=bool),
+    )

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ..core.candidates import Candidates
 from ..core.copies import ContextIndex, CopyRates, CopyTrie, copy_trie
-from ..core.merged import MergedSource, build_merged
+from ..core.merged import MergedSource, build_copies, build_merged
 from ..core.tree import DraftTree, build_caddtree, build_chain, build_ddtree
 from ..util.checks import DEFAULT_DDTREE_BUDGET, check_int, check_method
 from ..util.errors import InvalidInputError
@@ -179,6 +179,8 @@ class CostAware:
     name: str = "caddtree"
     needs_drafter: bool = True
     lookup: bool = False
+    # the last costs read, by (context length, drafting): a round reads them up to three times
+    _costs: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def reserve_nodes(self) -> int:
@@ -194,10 +196,16 @@ class CostAware:
     def limits(self, context_length: int, drafting: bool = True) -> tuple[int, list[float] | None]:
         """The most nodes and the round's cost per size (without the drafter's pass where it
         does not run)."""
-        costs = self.cost_model.round_cost_table(context_length, self.max_budget)
-        if not drafting:
-            costs = costs - self.cost_model.draft_cost
-        return self.max_budget, costs.tolist()
+        key = (context_length, drafting)
+        costs = self._costs.get(key)
+        if costs is None:
+            table = self.cost_model.round_cost_table(context_length, self.max_budget)
+            if not drafting:
+                table = table - self.cost_model.draft_cost
+            if len(self._costs) >= 4:
+                self._costs.clear()
+            costs = self._costs[key] = table.tolist()
+        return self.max_budget, costs
 
 
 def make_policy(
@@ -273,7 +281,7 @@ def copies_alone(policy: TreePolicy, trie: CopyTrie | None, context_length: int)
     """The round's CaDDTree tree of ``trie``'s copies alone, priced without a drafter pass, and
     its surrogate throughput ``theta = (1 + Phi(n)) / C_v(n)``."""
     max_nodes, costs = policy.limits(context_length, drafting=False)
-    tree = build_merged([MergedSource(None, trie)], max_nodes, costs)[0]
+    tree = build_copies(trie, max_nodes, costs)
     return tree, (1.0 + tree.phi) / max(costs[len(tree)], 1e-12)
 
 
