@@ -228,6 +228,7 @@ def _layers(
     fused_attention: bool,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """What the one-sequence graphs compute (slot 0 of a one-slot cache; see :func:`_stack`)."""
+    _one_capacity(keys, values)
 
     def attend_in(index: int) -> Callable[..., torch.Tensor]:
         return partial(
@@ -241,6 +242,13 @@ def _layers(
         )
 
     return _stack(layers, shape, feature_ids, final_norm, x, cos, sin, attend_in)
+
+
+def _one_capacity(keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Tell the graph that every cache holds as many entries as the first: each cache's length
+    is dynamic, and without this each would be a size of its own that every call passes in."""
+    for cache in (*keys[1:], *values):
+        torch._check(cache.shape[2] == keys[0].shape[2])
 
 
 def _batch_layers(
@@ -261,6 +269,7 @@ def _batch_layers(
     """What the batch graph computes: rows of several sequences in a cache of several slots,
     each row's keys and values written at (``slots``, ``entries``) and its attention by
     :func:`~caddtree.runtime.kernels.tree_attention_batch` under ``mask`` [N, L] and ``seqs``."""
+    _one_capacity(keys, values)
     scale = shape.head_dim**-0.5
 
     def attend_in(index: int) -> Callable[..., torch.Tensor]:
