@@ -485,7 +485,7 @@ def compile_progress(progress: bool, total: int) -> Iterator[Any]:
     began = time.perf_counter()
     bar = tqdm(
         total=total,
-        desc="compiling the target's layers (first run on this machine; later runs load it)",
+        desc="preparing the target's compiled layers (a machine's first run compiles them, 1-2 min)",
         leave=False,
         disable=not progress,
     )
