@@ -120,7 +120,7 @@ def test_a_row_gives_the_same_bits_alone_or_among_others(kind):
     linear = QuantLinear(pack_blocks(raw, kind), kind, 200)
     x = torch.randn(64, 768).bfloat16()
     together = linear(x)
-    for count in (1, 2, 5, 7, 13, 64):  # every pass size and split inside the kernel
+    for count in (1, 2, 4, 5, 7, 8, 13, 64):  # pass sizes 1-4 and 5-8, and splits of more
         for start in range(0, 64, count):
             part = linear(x[start : start + count])
             assert torch.equal(part, together[start : start + count]), (count, start)

@@ -195,13 +195,104 @@ void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
   }
 }
 
-constexpr int kMaxRows = 4;  // input rows per pass over a group (more spilled registers, no faster)
+// Rows m0 .. m0 + MB - 1 (more than group_rows keeps in registers), outputs o0 .. o0 + 31: each
+// half of the outputs in turn over all of the group's blocks, so that MB accumulators and MB
+// integer sums are live instead of twice as many. A half reads only its own loads and scales, so
+// the group's weights are still read once per pass; each output's integer sums and float steps
+// are group_rows' in the same order, so a row gets the same bits either way.
+template <int64_t Kind, int MB>
+void group_rows_by_half(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
+  constexpr Format f = format(Kind);
+  constexpr int steps = 4 / f.parts;
+  constexpr int64_t bytes = f.bytes();
+  const int64_t nb = p.K / kBlock;
+  const Input& in = *p.in;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t first = o0 + 16 * h, valid = std::min<int64_t>(p.N - first, 16);
+    if (valid <= 0) continue;
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wg + b * bytes;
+      if (m0 == 0 && h == 0) {
+        for (int64_t line = 0; line < bytes; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bytes + line), _MM_HINT_T0);
+        }
+      }
+      const uint8_t* ints = blk + f.header();
+      __m512i words = _mm512_setzero_si512();  // the fifth bits of the 5-bit formats
+      if constexpr (f.high_bits) words = _mm512_loadu_si512(ints + 512 + 64 * h);
+      for (int part = 0; part < f.parts; ++part) {
+        __m512i sums[MB];
+        for (int i = 0; i < MB; ++i) sums[i] = _mm512_setzero_si512();
+        for (int s = part * steps; s < (part + 1) * steps; ++s) {
+          __m512i lo, hi;
+          if constexpr (f.nibbles) {
+            const __m512i u = _mm512_loadu_si512(ints + (h * 4 + s) * 64);
+            lo = _mm512_and_si512(u, low);
+            hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+            if constexpr (f.high_bits) {
+              lo = _mm512_or_si512(lo, fifth_bits(words, 4 * s));
+              hi = _mm512_or_si512(hi, fifth_bits(words, 16 + 4 * s));
+            }
+          } else {
+            lo = _mm512_loadu_si512(ints + (h * 8 + 2 * s) * 64);
+            hi = _mm512_loadu_si512(ints + (h * 8 + 2 * s + 1) * 64);
+          }
+          const int64_t col = b * kBlock + (f.nibbles ? 4 * s : 8 * s), next = f.nibbles ? 16 : 4;
+          for (int i = 0; i < MB; ++i) {
+            const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
+            sums[i] = _mm512_dpbusd_epi32(sums[i], lo, broadcast4(xq));
+            sums[i] = _mm512_dpbusd_epi32(sums[i], hi, broadcast4(xq + next));
+          }
+        }
+        const __m512 dw = scales16<Kind>(blk, part, h);
+        for (int i = 0; i < MB; ++i) {
+          const int64_t at = (m0 + i) * nb + b;
+          const __m512 dx = _mm512_set1_ps(in.d[at]);
+          const int32_t sum = f.parts == 2 ? in.s16[2 * at + part] : in.s[at];
+          __m512i total = sums[i];
+          if constexpr (f.offset != 0) {
+            total = _mm512_sub_epi32(total, _mm512_set1_epi32(f.offset * sum));
+          }
+          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(total), acc[i]);
+        }
+      }
+      if constexpr (f.with_min) {
+        const __m512 mw = scales16<Kind>(blk, 1, h);
+        for (int i = 0; i < MB; ++i) {
+          const __m512 ds = _mm512_set1_ps(in.ds[(m0 + i) * nb + b]);
+          acc[i] = _mm512_fmadd_ps(mw, ds, acc[i]);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      caddtree_round::store_16_bf16(p.y + (m0 + i) * p.N + first,
+                                    p.bias ? p.bias + first : nullptr, valid, acc[i]);
+    }
+  }
+}
+
+// Input rows per pass over a group: up to 4 in group_rows (more spill its registers), up to 8
+// a half at a time (group_rows_by_half), so a tree of 5-8 rows reads each group once.
+constexpr int kMaxRows = 8;
+constexpr int kRegisterRows = 4;
 
 using Pass = void (*)(const Problem&, const uint8_t*, int64_t, int64_t);
 
+template <int64_t Kind, int MB>
+constexpr Pass pass_of() {
+  if constexpr (MB <= kRegisterRows) {
+    return &group_rows<Kind, MB>;
+  } else {
+    return &group_rows_by_half<Kind, MB>;
+  }
+}
+
 template <int64_t Kind, int... I>
 constexpr std::array<Pass, sizeof...(I)> passes_of(std::integer_sequence<int, I...>) {
-  return {&group_rows<Kind, I + 1>...};
+  return {pass_of<Kind, I + 1>()...};
 }
 
 template <int64_t Kind>
