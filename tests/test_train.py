@@ -796,12 +796,16 @@ def test_a_deadline_ends_the_call_and_the_schedule_in_time(target, data, tmp_pat
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     # a window's overrun at most, plus slack for a machine shared with other test workers
     assert took < 3.0 + 2 * max(e["step_s"] for e in log) + 3.0
-    assert last["step"] == len(log) >= 2 and last["schedule_steps"] == len(log)  # ended there
+    # the schedule ends where the call ends, or within the window the call was planned to finish
+    # when the pace slowed in its last window (steps already run keep their learning rates)
+    assert last["step"] == len(log) >= 2
+    assert len(log) <= last["schedule_steps"] <= len(log) + cfg.log_every
     assert last["lr"] < 0.2 * cfg.learning_rate  # its cosine ran to its floor (a tenth)
     assert saved == [tmp_path / "checkpoint"] * 2  # after the first step, and at the end
     assert "eval_accept" in last and cfg.steps == 10**6  # the caller's config is left alone
     state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
-    assert state["step"] == len(log) and state["log"][-1]["schedule_steps"] == len(log)
+    assert state["step"] == len(log)
+    assert state["log"][-1]["schedule_steps"] == last["schedule_steps"]
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
