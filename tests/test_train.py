@@ -674,9 +674,9 @@ def reference_loss(loss: AnchorBlockLoss, sample_ids, anchors):
     hidden = hidden.view(b, M, B, -1)[:, :, 1:]
     labels = batch["labels"]
     valid = labels >= 0
-    ce = torch.nn.functional.cross_entropy(
-        loss.lm_head(hidden[valid]).float(), labels[valid], reduction="none"
-    )
+    logits = loss.lm_head(hidden[valid])  # float32 at least, as the trainer computes them
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")
     weights = loss.position_weights.expand(valid.shape)[valid]
     return (weights * ce).sum() / weights.sum()
 
@@ -684,7 +684,7 @@ def reference_loss(loss: AnchorBlockLoss, sample_ids, anchors):
 def test_the_device_batches_give_the_loss_and_gradients_of_the_host_batches(target, data):
     """The same blocks (a short sample among them, so that padding blocks are built) give the
     same loss and gradients as the host-built batches the trainer used before (a float64
-    drafter; the logits are float32 in both, as the trainer has them)."""
+    drafter and target; the logits are float64 in both)."""
     feats = compute_features(target, data, list(FEATURE_LAYER_IDS), progress=False)
     model = new_drafter(target)
     cfg = train_config(block_size=model.block_size)

@@ -25,6 +25,7 @@ import torch
 from ..models.dflash import additive_mask, draft_lm_head
 from ..util.ranks import DistInfo, all_objects, all_sum
 from .batch import SampleBank, anchors_from_lists, block_batch, random_anchors
+from .head_loss import head_cross_entropy
 
 __all__ = [
     "LK_FLOOR",
@@ -344,11 +345,14 @@ class AnchorBlockLoss:
             sample_ids, ids, drawn = _share(self.ranks, sample_ids, ids, drawn)
         hidden, labels, in_range = self._block_hidden(sample_ids, drawn, ids)
         valid = labels >= 0  # scored: inside the sequence and the draft vocabulary
-        with self._autocast():
-            logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
-        ce = torch.nn.functional.cross_entropy(
-            logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none"
-        ).view(labels.shape)
+        if self.targets is None:
+            ce, correct = self._head_ce(hidden, labels)
+        else:
+            with self._autocast():
+                logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+            ce = torch.nn.functional.cross_entropy(
+                logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none"
+            ).view(labels.shape)
         weights = self._weights(ce, valid)
         loss = cfg.ce_weight * self._mean(ce, weights * valid)
         terms = None
@@ -356,14 +360,27 @@ class AnchorBlockLoss:
             lists = _anchor_lists(drawn)
             terms = self._distribution_terms(logits[in_range], sample_ids, lists, in_range)
             loss = loss + self._distribution_loss(terms, weights[in_range])
+            correct = (logits.detach().argmax(-1) == labels) & valid
         with torch.no_grad():
-            correct = (logits.argmax(-1) == labels) & valid
             stats = _block_stats(correct, in_range, in_range, terms, self.ranks)
             stats["loss"] = self._whole(loss)
             if terms is not None:
                 stats["ce"] = self._whole(self._mean(ce, weights * valid))
                 stats["l1"] = self._whole(self._mean(terms["l1"], weights[in_range]))
         return loss, stats
+
+    def _head_ce(
+        self, hidden: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-entropy of every block position [b, M, B-1] through the frozen head (0 where
+        its label is ignored) and whether the head's argmax is the label
+        (:func:`~caddtree.train.head_loss.head_cross_entropy`; its matmul in bfloat16 under
+        bfloat16 precision, as autocast runs it)."""
+        head = self.lm_head
+        dtype = torch.bfloat16 if self.config.precision == "bfloat16" else head.weight.dtype
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
+        ce, correct = head_cross_entropy(flat, head, labels.flatten(), dtype)
+        return ce.view(labels.shape), correct.view(labels.shape)
 
     def _mean(self, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The weighted mean of ``values`` over the whole batch; under torchrun, this rank's
