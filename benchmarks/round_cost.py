@@ -28,7 +28,9 @@ Rounds with no draft (the last round, when only the bonus token fits) are left o
 ``--lookup`` (DDTree and CaDDTree with copies from the context), the rounds whose tree is copies
 alone (the draft gate left the drafter out) get a table of their own, and CaDDTree's line says
 what its cost model charges for a drafter pass (``C_d``), to set against the measured drafter
-forward, projection and tree build of the rounds that drafted. ``--prompt-file``: the first
+forward, projection and tree build of the rounds that drafted. With a cost model it also sets
+each round's target forward against the model's ``C_v(n; l)`` at that round's tree size and
+context length (medians by tree size): whether the profile measured what decoding sees. ``--prompt-file``: the first
 turn of each line of a benchmark prompt file (``{"turns": [...]}`` or ``{"prompt": ...}``, e.g.
 ``benchmarks/prompts/context-reuse.jsonl``) instead of the built-in prompts; ``--dtype``: the
 built-in pair's dtype (``auto``: the CLI's choice).
@@ -158,6 +160,30 @@ def table(name: str, rounds: list[RoundStats]) -> str:
     return "\n".join(lines)
 
 
+SIZES = ((0, 0), (1, 2), (3, 4), (5, 8), (9, 16), (17, 64), (65, 4096))
+
+
+def cost_check(cost: Any, rounds: list[RoundStats]) -> str:
+    """The target forward of ``rounds`` against the cost model's ``C_v(n; l)`` at each round's
+    tree size and context length, by tree size: the medians of both and of their ratio."""
+    lines = [
+        "  the cost model's C_v(n; l) against the target forward it prices, by tree size:",
+        f"  {'nodes':<8} {'rounds':>6} {'forward ms':>11} {'C_v ms':>8} {'C_v / forward':>14}",
+    ]
+    for low, high in SIZES:
+        group = [r for r in rounds if low <= r.budget <= high]
+        if not group:
+            continue
+        measured = [r.forward_s for r in group]
+        modelled = [float(cost.verify_cost(r.budget, r.context_length)) for r in group]
+        ratio = statistics.median(m / f for m, f in zip(modelled, measured))
+        lines.append(
+            f"  {f'{low}-{high}':<8} {len(group):>6} {1e3 * statistics.median(measured):>11.2f} "
+            f"{1e3 * statistics.median(modelled):>8.2f} {ratio:>14.2f}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -210,6 +236,8 @@ def main() -> None:
         print(table(f"{label}, rounds that drafted", drafted))
         if args.lookup and alone:
             print(table(f"{label}, rounds of copies alone", alone))
+        if cost is not None:
+            print(cost_check(cost, drafted + alone))
 
 
 if __name__ == "__main__":
