@@ -73,3 +73,16 @@ def test_frozen_head_and_single_backward_are_required():
     head.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="frozen"):
         head_cross_entropy(x, head, labels)
+
+
+def test_ties_count_for_the_first_column_as_argmax_does():
+    """Two columns with equal logits at the maximum: only a label on the first is correct."""
+    head = torch.nn.Linear(4, 12, bias=False).double().requires_grad_(False)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.weight[3, 0] = head.weight[7, 0] = 10.0
+    x = torch.tensor([[1.0, 0.5, -0.5, 2.0]] * 3, dtype=torch.float64)
+    labels = torch.tensor([3, 7, 5])
+    _, correct = head_cross_entropy(x, head, labels)
+    assert correct.tolist() == [True, False, False]
+    assert torch.equal(correct, head(x).argmax(-1) == labels)
