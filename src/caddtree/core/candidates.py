@@ -207,9 +207,7 @@ class Candidates:
                 f"draft logits must have shape [L, V] with L, V >= 1; got {shape}"
             )
         # position i + 1's logits (torch or numpy), computed on demand for DraftRows
-        self._row = (
-            draft_logits.row if _is_draft_rows(draft_logits) else draft_logits.__getitem__
-        )
+        self._row = draft_logits.row if _is_draft_rows(draft_logits) else draft_logits.__getitem__
         self.depth, self.vocab = int(shape[0]), int(shape[1])
         self.values = [[] for _ in range(self.depth)]
         self.ids = [[] for _ in range(self.depth)]

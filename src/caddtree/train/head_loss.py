@@ -39,8 +39,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         if bias is not None:
             logits += bias.to(dtype)
         n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-        lse = lse.to(logits.device)
+        precision = torch.float64 if dtype == torch.float64 else torch.float32
+        lse = torch.empty(n, dtype=precision, device=logits.device)
         ce, correct = torch.empty_like(lse), torch.empty(n, dtype=torch.bool, device=lse.device)
         valid = labels >= 0
         safe = labels.clamp(min=0)
