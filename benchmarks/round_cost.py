@@ -30,10 +30,10 @@ alone (the draft gate left the drafter out) get a table of their own, and CaDDTr
 what its cost model charges for a drafter pass (``C_d``), to set against the measured drafter
 forward, projection and tree build of the rounds that drafted. With a cost model it also sets
 each round's target forward against the model's ``C_v(n; l)`` at that round's tree size and
-context length (medians by tree size): whether the profile measured what decoding sees. ``--prompt-file``: the first
-turn of each line of a benchmark prompt file (``{"turns": [...]}`` or ``{"prompt": ...}``, e.g.
-``benchmarks/prompts/context-reuse.jsonl``) instead of the built-in prompts; ``--dtype``: the
-built-in pair's dtype (``auto``: the CLI's choice).
+context length (medians by tree size): whether the profile measured what decoding sees.
+``--prompt-file``: the first turn of each line of a benchmark prompt file (``{"turns": [...]}``
+or ``{"prompt": ...}``, e.g. ``benchmarks/prompts/context-reuse.jsonl``) instead of the built-in
+prompts; ``--dtype``: the built-in pair's dtype (``auto``: the CLI's choice).
 """
 
 from __future__ import annotations

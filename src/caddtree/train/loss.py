@@ -378,7 +378,7 @@ class AnchorBlockLoss:
         bfloat16 precision, as autocast runs it)."""
         head = self.lm_head
         dtype = torch.bfloat16 if self.config.precision == "bfloat16" else head.weight.dtype
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # cast to dtype by the function
         ce, correct = head_cross_entropy(flat, head, labels.flatten(), dtype)
         return ce.view(labels.shape), correct.view(labels.shape)
 
