@@ -3,8 +3,9 @@
     python benchmarks/gate_replay.py [--recent 16 64] [--max-new-tokens 128] [--samples 6]
                                      [--datasets math500 gsm8k aime25 humaneval mt-bench]
                                      [--prompts benchmarks/prompts/context-reuse.jsonl]
+                                     [--dtype bfloat16]
 
-Decodes each prompt greedily on the built-in pair in bfloat16 with CaDDTree and copies from the
+Decodes each prompt greedily on the built-in pair (bfloat16, or ``--dtype``) with CaDDTree and copies from the
 context (``lookup=True``), once per ``--recent`` (the number of drafted rounds the draft gate
 judges the drafter by, :class:`caddtree.engine.policies.DraftGate`), and with CaDDTree alone
 for reference. Every round is priced as the policy prices it: ``C_d + C_v(n; l)`` where the
@@ -69,8 +70,9 @@ def main() -> None:
     )
     parser.add_argument("--prompts", default="benchmarks/prompts/context-reuse.jsonl")
     parser.add_argument("--cost-model", help="a cost model file (default: this machine's cached)")
+    parser.add_argument("--dtype", default="bfloat16", help="the pair's dtype (default bfloat16)")
     args = parser.parse_args()
-    gen = load_pair(None, None, dtype="bfloat16", method="caddtree", cost_model=args.cost_model)
+    gen = load_pair(None, None, dtype=args.dtype, method="caddtree", cost_model=args.cost_model)
     chosen = prompts(args.datasets, args.samples, args.prompts)
     policy = gen.policy("caddtree")
     variants = [(f"caddtree+lookup, recent {r}", True, r) for r in args.recent]

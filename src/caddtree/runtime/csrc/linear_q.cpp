@@ -102,10 +102,15 @@ inline __m512i fifth_bits(__m512i words, int shift) {
   return _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10));
 }
 
-// Rows m0 .. m0 + MB - 1 of the output, outputs o0 .. o0 + 31 (one group at wg). Each output's
-// integer sum of a block (or a part) runs in C chains (two where there are too few rows to hide
-// vpdpbusd's latency), added at its end: integers, so the order does not change the bits.
-template <int64_t Kind, int MB>
+// Rows m0 .. m0 + MB - 1 of the output, outputs o0 .. o0 + 31 (one group at wg), H halves of the
+// outputs at a time: both (H = 2) where the rows' accumulators and integer sums fit in registers,
+// else each half in turn over all of the group's blocks (H = 1), so that half as many are live. A
+// half reads only its own loads and scales, so the group's weights are read once per pass either
+// way, and each output's integer sums and float steps come in the same order, so a row gets the
+// same bits whatever H. Each output's integer sum of a block (or a part) runs in C chains (two
+// where there are too few rows to hide vpdpbusd's latency), added at its end: integers, so the
+// order does not change the bits.
+template <int64_t Kind, int MB, int H>
 void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
   constexpr Format f = format(Kind);
   constexpr int C = MB <= 2 ? 2 : 1, steps = 4 / f.parts;
@@ -113,169 +118,99 @@ void group_rows(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
   const int64_t nb = p.K / kBlock;
   const Input& in = *p.in;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[MB][2];
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wg + b * bytes;
-    if (m0 == 0) {
-      for (int64_t line = 0; line < bytes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bytes + line), _MM_HINT_T0);
-      }
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    if (p.N - (o0 + 16 * h0) <= 0) continue;  // a padded half (the first is never one)
+    __m512 acc[MB][H];
+    for (int i = 0; i < MB; ++i) {
+      for (int h = 0; h < H; ++h) acc[i][h] = _mm512_setzero_ps();
     }
-    const uint8_t* ints = blk + f.header();
-    __m512i words[2];  // the fifth bits of the 5-bit formats, per half
-    if constexpr (f.high_bits) {
-      for (int h = 0; h < 2; ++h) words[h] = _mm512_loadu_si512(ints + 512 + 64 * h);
-    }
-    for (int part = 0; part < f.parts; ++part) {
-      __m512i sums[MB][2][C];  // [row][half][chain]
-      for (int i = 0; i < MB; ++i) {
-        for (int h = 0; h < 2; ++h) {
-          for (int c = 0; c < C; ++c) sums[i][h][c] = _mm512_setzero_si512();
-        }
-      }
-      // nibbles: a load gives columns 4s.. (low) and 16 + 4s.. (high); bytes: loads 2s and 2s + 1
-      // give columns 8s.. and 8s + 4..
-      for (int s = part * steps; s < (part + 1) * steps; ++s) {
-        __m512i first[2], second[2];
-        for (int h = 0; h < 2; ++h) {
-          if constexpr (f.nibbles) {
-            const __m512i u = _mm512_loadu_si512(ints + (h * 4 + s) * 64);
-            first[h] = _mm512_and_si512(u, low);
-            second[h] = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
-            if constexpr (f.high_bits) {
-              first[h] = _mm512_or_si512(first[h], fifth_bits(words[h], 4 * s));
-              second[h] = _mm512_or_si512(second[h], fifth_bits(words[h], 16 + 4 * s));
-            }
-          } else {
-            first[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s) * 64);
-            second[h] = _mm512_loadu_si512(ints + (h * 8 + 2 * s + 1) * 64);
-          }
-        }
-        const int64_t col = b * kBlock + (f.nibbles ? 4 * s : 8 * s), next = f.nibbles ? 16 : 4;
-        for (int i = 0; i < MB; ++i) {
-          const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
-          const __m512i x0 = broadcast4(xq), x1 = broadcast4(xq + next);
-          for (int h = 0; h < 2; ++h) {
-            sums[i][h][0] = _mm512_dpbusd_epi32(sums[i][h][0], first[h], x0);
-            sums[i][h][C - 1] = _mm512_dpbusd_epi32(sums[i][h][C - 1], second[h], x1);
-          }
-        }
-      }
-      const __m512 dw[2] = {scales16<Kind>(blk, part, 0), scales16<Kind>(blk, part, 1)};
-      for (int i = 0; i < MB; ++i) {
-        const int64_t at = (m0 + i) * nb + b;
-        const __m512 dx = _mm512_set1_ps(in.d[at]);
-        const int32_t s = f.parts == 2 ? in.s16[2 * at + part] : in.s[at];
-        for (int h = 0; h < 2; ++h) {
-          __m512i total = sums[i][h][0];
-          if constexpr (C == 2) total = _mm512_add_epi32(total, sums[i][h][1]);
-          if constexpr (f.offset != 0) {
-            total = _mm512_sub_epi32(total, _mm512_set1_epi32(f.offset * s));
-          }
-          acc[i][h] = _mm512_fmadd_ps(_mm512_mul_ps(dw[h], dx), _mm512_cvtepi32_ps(total), acc[i][h]);
-        }
-      }
-    }
-    if constexpr (f.with_min) {
-      const __m512 mw[2] = {scales16<Kind>(blk, 1, 0), scales16<Kind>(blk, 1, 1)};
-      for (int i = 0; i < MB; ++i) {
-        const __m512 ds = _mm512_set1_ps(in.ds[(m0 + i) * nb + b]);
-        for (int h = 0; h < 2; ++h) acc[i][h] = _mm512_fmadd_ps(mw[h], ds, acc[i][h]);
-      }
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    for (int h = 0; h < 2; ++h) {
-      const int64_t first = o0 + 16 * h, valid = std::min<int64_t>(p.N - first, 16);
-      if (valid <= 0) continue;
-      caddtree_round::store_16_bf16(p.y + (m0 + i) * p.N + first,
-                                    p.bias ? p.bias + first : nullptr, valid, acc[i][h]);
-    }
-  }
-}
-
-// Rows m0 .. m0 + MB - 1 (more than group_rows keeps in registers), outputs o0 .. o0 + 31: each
-// half of the outputs in turn over all of the group's blocks, so that MB accumulators and MB
-// integer sums are live instead of twice as many. A half reads only its own loads and scales, so
-// the group's weights are still read once per pass; each output's integer sums and float steps
-// are group_rows' in the same order, so a row gets the same bits either way.
-template <int64_t Kind, int MB>
-void group_rows_by_half(const Problem& p, const uint8_t* wg, int64_t m0, int64_t o0) {
-  constexpr Format f = format(Kind);
-  constexpr int steps = 4 / f.parts;
-  constexpr int64_t bytes = f.bytes();
-  const int64_t nb = p.K / kBlock;
-  const Input& in = *p.in;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    const int64_t first = o0 + 16 * h, valid = std::min<int64_t>(p.N - first, 16);
-    if (valid <= 0) continue;
-    __m512 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = wg + b * bytes;
-      if (m0 == 0 && h == 0) {
+      if (m0 == 0 && h0 == 0) {
         for (int64_t line = 0; line < bytes; line += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bytes + line), _MM_HINT_T0);
         }
       }
       const uint8_t* ints = blk + f.header();
-      __m512i words = _mm512_setzero_si512();  // the fifth bits of the 5-bit formats
-      if constexpr (f.high_bits) words = _mm512_loadu_si512(ints + 512 + 64 * h);
+      __m512i words[H];  // the fifth bits of the 5-bit formats, per half
+      if constexpr (f.high_bits) {
+        for (int h = 0; h < H; ++h) words[h] = _mm512_loadu_si512(ints + 512 + 64 * (h0 + h));
+      }
       for (int part = 0; part < f.parts; ++part) {
-        __m512i sums[MB];
-        for (int i = 0; i < MB; ++i) sums[i] = _mm512_setzero_si512();
+        __m512i sums[MB][H][C];  // [row][half][chain]
+        for (int i = 0; i < MB; ++i) {
+          for (int h = 0; h < H; ++h) {
+            for (int c = 0; c < C; ++c) sums[i][h][c] = _mm512_setzero_si512();
+          }
+        }
+        // nibbles: a load gives columns 4s.. (low) and 16 + 4s.. (high); bytes: loads 2s and
+        // 2s + 1 give columns 8s.. and 8s + 4..
         for (int s = part * steps; s < (part + 1) * steps; ++s) {
-          __m512i lo, hi;
-          if constexpr (f.nibbles) {
-            const __m512i u = _mm512_loadu_si512(ints + (h * 4 + s) * 64);
-            lo = _mm512_and_si512(u, low);
-            hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
-            if constexpr (f.high_bits) {
-              lo = _mm512_or_si512(lo, fifth_bits(words, 4 * s));
-              hi = _mm512_or_si512(hi, fifth_bits(words, 16 + 4 * s));
+          __m512i first[H], second[H];
+          for (int h = 0; h < H; ++h) {
+            const int half = h0 + h;
+            if constexpr (f.nibbles) {
+              const __m512i u = _mm512_loadu_si512(ints + (half * 4 + s) * 64);
+              first[h] = _mm512_and_si512(u, low);
+              second[h] = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+              if constexpr (f.high_bits) {
+                first[h] = _mm512_or_si512(first[h], fifth_bits(words[h], 4 * s));
+                second[h] = _mm512_or_si512(second[h], fifth_bits(words[h], 16 + 4 * s));
+              }
+            } else {
+              first[h] = _mm512_loadu_si512(ints + (half * 8 + 2 * s) * 64);
+              second[h] = _mm512_loadu_si512(ints + (half * 8 + 2 * s + 1) * 64);
             }
-          } else {
-            lo = _mm512_loadu_si512(ints + (h * 8 + 2 * s) * 64);
-            hi = _mm512_loadu_si512(ints + (h * 8 + 2 * s + 1) * 64);
           }
           const int64_t col = b * kBlock + (f.nibbles ? 4 * s : 8 * s), next = f.nibbles ? 16 : 4;
           for (int i = 0; i < MB; ++i) {
             const int8_t* xq = in.q.data() + (m0 + i) * p.K + col;
-            sums[i] = _mm512_dpbusd_epi32(sums[i], lo, broadcast4(xq));
-            sums[i] = _mm512_dpbusd_epi32(sums[i], hi, broadcast4(xq + next));
+            const __m512i x0 = broadcast4(xq), x1 = broadcast4(xq + next);
+            for (int h = 0; h < H; ++h) {
+              sums[i][h][0] = _mm512_dpbusd_epi32(sums[i][h][0], first[h], x0);
+              sums[i][h][C - 1] = _mm512_dpbusd_epi32(sums[i][h][C - 1], second[h], x1);
+            }
           }
         }
-        const __m512 dw = scales16<Kind>(blk, part, h);
+        __m512 dw[H];
+        for (int h = 0; h < H; ++h) dw[h] = scales16<Kind>(blk, part, h0 + h);
         for (int i = 0; i < MB; ++i) {
           const int64_t at = (m0 + i) * nb + b;
           const __m512 dx = _mm512_set1_ps(in.d[at]);
-          const int32_t sum = f.parts == 2 ? in.s16[2 * at + part] : in.s[at];
-          __m512i total = sums[i];
-          if constexpr (f.offset != 0) {
-            total = _mm512_sub_epi32(total, _mm512_set1_epi32(f.offset * sum));
+          const int32_t s = f.parts == 2 ? in.s16[2 * at + part] : in.s[at];
+          for (int h = 0; h < H; ++h) {
+            __m512i total = sums[i][h][0];
+            if constexpr (C == 2) total = _mm512_add_epi32(total, sums[i][h][1]);
+            if constexpr (f.offset != 0) {
+              total = _mm512_sub_epi32(total, _mm512_set1_epi32(f.offset * s));
+            }
+            acc[i][h] =
+                _mm512_fmadd_ps(_mm512_mul_ps(dw[h], dx), _mm512_cvtepi32_ps(total), acc[i][h]);
           }
-          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(total), acc[i]);
         }
       }
       if constexpr (f.with_min) {
-        const __m512 mw = scales16<Kind>(blk, 1, h);
+        __m512 mw[H];
+        for (int h = 0; h < H; ++h) mw[h] = scales16<Kind>(blk, 1, h0 + h);
         for (int i = 0; i < MB; ++i) {
           const __m512 ds = _mm512_set1_ps(in.ds[(m0 + i) * nb + b]);
-          acc[i] = _mm512_fmadd_ps(mw, ds, acc[i]);
+          for (int h = 0; h < H; ++h) acc[i][h] = _mm512_fmadd_ps(mw[h], ds, acc[i][h]);
         }
       }
     }
     for (int i = 0; i < MB; ++i) {
-      caddtree_round::store_16_bf16(p.y + (m0 + i) * p.N + first,
-                                    p.bias ? p.bias + first : nullptr, valid, acc[i]);
+      for (int h = 0; h < H; ++h) {
+        const int64_t first = o0 + 16 * (h0 + h), valid = std::min<int64_t>(p.N - first, 16);
+        if (valid <= 0) continue;
+        caddtree_round::store_16_bf16(p.y + (m0 + i) * p.N + first,
+                                      p.bias ? p.bias + first : nullptr, valid, acc[i][h]);
+      }
     }
   }
 }
 
-// Input rows per pass over a group: up to 4 in group_rows (more spill its registers), up to 8
-// a half at a time (group_rows_by_half), so a tree of 5-8 rows reads each group once.
+// Input rows per pass over a group: up to 4 with both halves at once (more spill the registers),
+// up to 8 a half at a time, so a tree of 5-8 rows reads each group once.
 constexpr int kMaxRows = 8;
 constexpr int kRegisterRows = 4;
 
@@ -283,11 +218,7 @@ using Pass = void (*)(const Problem&, const uint8_t*, int64_t, int64_t);
 
 template <int64_t Kind, int MB>
 constexpr Pass pass_of() {
-  if constexpr (MB <= kRegisterRows) {
-    return &group_rows<Kind, MB>;
-  } else {
-    return &group_rows_by_half<Kind, MB>;
-  }
+  return &group_rows<Kind, MB, MB <= kRegisterRows ? 2 : 1>;
 }
 
 template <int64_t Kind, int... I>
