@@ -5,14 +5,15 @@
                                      [--prompts benchmarks/prompts/context-reuse.jsonl]
                                      [--dtype bfloat16]
 
-Decodes each prompt greedily on the built-in pair (bfloat16, or ``--dtype``) with CaDDTree and copies from the
-context (``lookup=True``), once per ``--recent`` (the number of drafted rounds the draft gate
-judges the drafter by, :class:`caddtree.engine.policies.DraftGate`), and with CaDDTree alone
-for reference. Every round is priced as the policy prices it: ``C_d + C_v(n; l)`` where the
-drafter ran, ``C_v(n; l)`` where the gate left it out. The gate decides from the cost model and
-the tokens alone, never from timings, so the figures are the same on a busy machine and variants
-compare without timing noise; what they are worth in seconds is `caddtree bench`'s to measure.
-The cost model is this machine's cached one (profiled on first use), or ``--cost-model FILE``.
+Decodes each prompt greedily on the built-in pair (bfloat16, or ``--dtype``) with CaDDTree and
+copies from the context (``lookup=True``), once per ``--recent`` (the number of drafted rounds
+the draft gate judges the drafter by, :class:`caddtree.engine.policies.DraftGate`), and with
+CaDDTree alone for reference. Every round is priced as the policy prices it: ``C_d + C_v(n; l)``
+where the drafter ran, ``C_v(n; l)`` where the gate left it out. The gate decides from the cost
+model and the tokens alone, never from timings, so the figures are the same on a busy machine and
+variants compare without timing noise; what they are worth in seconds is `caddtree bench`'s to
+measure. The cost model is this machine's cached one for the dtype (profiled on first use), or
+``--cost-model FILE``.
 """
 
 from __future__ import annotations
