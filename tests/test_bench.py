@@ -341,6 +341,16 @@ def test_bench_sampling_and_bad_input(bench_inputs, tmp_path, capsys):
         assert "line 1" in capsys.readouterr().err
 
 
+def test_bench_runs_the_drafter_in_the_dtype_asked_for_and_records_it(bench_inputs, tmp_path):
+    out = tmp_path / "results.jsonl"
+    argv = _args(bench_inputs, out, "--methods", "ar", "dflash", "--no-warmup")
+    assert main([*argv, "--draft-dtype", "float32"]) == 0
+    meta = json.loads(out.with_name("results.meta.json").read_text())
+    assert meta["draft_dtype"] == "torch.float32" and "float64" in meta["dtype"]
+    recs = [r for r in read_records(out) if r["method"] == "dflash"]
+    assert recs and all(r["matches_ar"] is True for r in recs)
+
+
 # ---- plain decoding in other dtypes (the speed-up baseline is the fastest of them) ---------------
 
 

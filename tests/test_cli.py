@@ -82,6 +82,19 @@ def test_lookup_is_refused_where_the_method_has_no_tree_to_add_copies_to(generat
     assert "--lookup adds copies" in capsys.readouterr().err
 
 
+def test_a_drafter_in_another_dtype_is_asked_for_by_name(generate_argv, capsys, cost_file):
+    outputs = {}
+    for option in ("same", "float32"):
+        argv = generate_argv("--draft-dtype", option, "--cost-model", cost_file, "--json")
+        argv += ["--max-new-tokens", "30", "hi"]
+        assert main(argv) == 0
+        outputs[option] = json.loads(capsys.readouterr().out)["token_ids"]
+    assert outputs["float32"] == outputs["same"]
+    assert main(generate_argv("--draft-dtype", "float13", "hi")) == 2
+    err = capsys.readouterr().err
+    assert "unknown dtype 'float13'" in err and "Traceback" not in err
+
+
 def test_generate_matches_python_api(capsys, tiny_pair_dirs):
     from caddtree import SpeculativeGenerator
 
@@ -279,9 +292,11 @@ def test_train_drafter_trains_on_a_runs_data_as_it_is(capsys, tiny_pair_dirs, tm
     assert main(made) == 0
     train = [*common, "--train-only", "--dtype", "float64", "--steps", "2", "--anchors", "2"]
     train += ["--feature-layers", "2", "--device", "cpu"]
-    assert main([*train, "--max-prompts", "6"]) == 0
+    per_step = ["--features", "step", "--eval-samples", "1", "--time-limit", "30"]
+    assert main([*train, "--max-prompts", "6", *per_step]) == 0
     run = json.loads((out / "run.json").read_text())
     assert run["prompts"]["total"] == 6 and run["final"]["step"] == 2
+    assert run["config"]["features"] == "step" and not (out / "features.safetensors").exists()
     assert run["response_tokens"] > 0 and (out / "checkpoint").is_dir()
 
     empty = [*train[:4], str(tmp_path / "empty"), *train[5:]]
@@ -311,6 +326,9 @@ def test_train_drafter_names_the_bad_line_of_a_prompt_file(capsys, tmp_path):
         (["--code", "10000000"], "more code prompts than this Python's standard library gives"),
         (["--math", "-1"], "--math must be a non-negative integer"),
         (["--device", "tpu9"], "unknown device 'tpu9'"),
+        (["--time-limit", "0"], "--time-limit must be a number of minutes > 0"),
+        (["--eval-samples", "0"], "--eval-samples must be"),
+        (["--features", "step", "--l1-weight", "0.5"], "use --features cache"),
         pytest.param(
             ["--device", "cuda"],
             "no CUDA device",

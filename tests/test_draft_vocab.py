@@ -3,6 +3,7 @@ ids, lossless decoding with trees built over draft ids, and choosing the vocabul
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -112,3 +113,79 @@ def test_choose_draft_vocab_takes_the_smallest_covering_set():
     assert ids == [5, 7, MASK_TOKEN_ID] and covered == pytest.approx(0.9)
     ids, covered = choose_draft_vocab(data, 1.0)
     assert ids == [5, 7, 9] and covered == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocabulary", ["draft", "whole"])
+def test_a_drafter_in_another_dtype_than_the_target_decodes_losslessly(
+    qwen3, saved, draft_dtype, vocabulary
+):
+    """A float32 or bfloat16 drafter beside the float64 target: its head (a draft vocabulary's
+    rows, copied) runs in its dtype, its logits are the float64 drafter's to its rounding, and
+    every method still decodes the target's greedy tokens."""
+    base = saved[1] if vocabulary == "draft" else new_drafter(qwen3)
+    drafter = copy.deepcopy(base).to(draft_dtype)
+    proposer = DFlashProposer(drafter, qwen3)
+    expected_head = draft_dtype if vocabulary == "draft" else torch.float64
+    assert proposer.lm_head.weight.dtype == expected_head
+    features = torch.randn(1, 4, drafter.fc.in_features, dtype=torch.float64)
+    rows = proposer.propose(7, features).rows().double()
+    exact = DFlashProposer(base, qwen3).propose(7, features).rows()
+    tolerance = 1e-4 if draft_dtype == torch.float32 else 0.1
+    assert (rows - exact).abs().max() <= tolerance * exact.abs().max()
+    prompt = PROMPTS[0]
+    reference = hf_generate(qwen3, prompt, 30, do_sample=False)
+    accepted = 0
+    for method, kwargs in POLICIES[1:]:
+        result = decode(
+            TreeVerifier(qwen3, FEATURE_LAYER_IDS),
+            prompt,
+            make_policy(method, **kwargs),
+            proposer=DFlashProposer(drafter, qwen3),
+            max_new_tokens=30,
+        )
+        assert result.token_ids == reference, (method, kwargs)
+        accepted += sum(r.accepted for r in result.stats.per_round)
+    assert accepted > 0
+
+
+def test_the_drafters_dtype_is_the_targets_unless_asked_and_auto_picks_bfloat16_for_float32(
+    monkeypatch,
+):
+    from caddtree.util.devices import resolve_draft_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for target in (torch.float64, torch.float32, torch.bfloat16):
+        assert resolve_draft_dtype("same", target, cpu) == target
+        assert resolve_draft_dtype(None, target, cpu) == target
+        assert resolve_draft_dtype("float32", target, cpu) == torch.float32
+    for fast in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda fast=fast: fast)
+        picked = resolve_draft_dtype("auto", torch.float32, cpu)
+        assert picked == (torch.bfloat16 if fast else torch.float32)
+        assert resolve_draft_dtype("auto", torch.float64, cpu) == torch.float64
+        assert resolve_draft_dtype("auto", torch.float32, cuda) == torch.float32
+    with pytest.raises(CaddtreeError, match="unknown dtype"):
+        resolve_draft_dtype("float13", torch.float32, cpu)
+
+
+def test_from_pretrained_loads_the_drafter_in_the_dtype_asked_for(tiny_pair_dirs, cost_file):
+    from caddtree import SpeculativeGenerator
+
+    target, draft = tiny_pair_dirs
+    same = SpeculativeGenerator.from_pretrained(target, draft, dtype="float64", device="cpu")
+    other = SpeculativeGenerator.from_pretrained(
+        target, draft, dtype="float64", device="cpu", draft_dtype="float32", cost_model=cost_file
+    )
+    assert same.drafter.dtype == torch.float64 and other.drafter.dtype == torch.float32
+    assert other.verifier.dtype == torch.float64
+    prompt = [5, 9, 2, 7, 1, 3]
+    expected = same.generate(prompt, max_new_tokens=24, method="ar").token_ids
+    for method, kwargs in (
+        ("ddtree", {"budget": 8}),
+        ("caddtree", {}),
+        ("caddtree", {"lookup": True}),
+    ):
+        assert other.generate(prompt, max_new_tokens=24, method=method, **kwargs).token_ids == (
+            expected
+        ), method

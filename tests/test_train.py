@@ -826,3 +826,59 @@ def test_a_boolean_block_mask_means_the_same_under_every_attention(target, imple
     model.config._attn_implementation = implementation
     got = model(noise, feats, positions, attention_mask=visible)
     assert torch.allclose(got, reference, atol=1e-10)
+
+
+def test_features_computed_per_step_give_the_cached_features_loss_and_gradients(target, data):
+    """A step whose features the target computes from the step's padded tokens has the loss and
+    gradients of the same step over the cached features (float64 target and drafter)."""
+    feats = compute_features(target, data, list(FEATURE_LAYER_IDS), progress=False)
+    model = new_drafter(target)
+    cfg = train_config(block_size=model.block_size)
+    ids = [3, 0, 7]  # of different lengths: the shorter ones are padded to the longest
+    results = []
+    for stored in (feats, None):
+        loss = AnchorBlockLoss(model, target, stored, data, cfg, torch.device("cpu"))
+        value, _ = loss.batch_loss(ids, torch.Generator().manual_seed(5))
+        value.backward()
+        results.append((value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad()
+    (cached, cached_grads), (per_step, step_grads) = results
+    assert torch.allclose(per_step, cached, rtol=1e-10, atol=0), (per_step, cached)
+    for name, grad in cached_grads.items():
+        assert torch.allclose(step_grads[name], grad, rtol=1e-8, atol=1e-10), name
+
+
+def test_a_run_with_features_per_step_trains_as_a_cached_run_and_writes_no_cache(
+    target, data, tmp_path
+):
+    runs = {}
+    for mode in ("cache", "step"):
+        cfg = config(steps=6, save_every=3, eval_every=3, features=mode)
+        train_drafter(target, data, tmp_path / mode, cfg, resume=False, progress=False)
+        runs[mode] = load_file(tmp_path / mode / "checkpoint" / "model.safetensors")
+    assert (tmp_path / "cache" / "features.safetensors").is_file()
+    assert not (tmp_path / "step" / "features.safetensors").exists()
+    for name, weight in runs["cache"].items():
+        assert torch.allclose(runs["step"][name], weight, rtol=1e-7, atol=1e-9), name
+    logs = [(tmp_path / m / "train_log.jsonl").read_text().splitlines() for m in runs]
+    losses = [[json.loads(line)["loss"] for line in log] for log in logs]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-8)
+
+
+def test_auto_features_are_cached_where_they_fit_and_per_step_where_they_do_not(
+    target, data, monkeypatch
+):
+    from caddtree.runtime import packing
+    from caddtree.train.features import resolve_feature_mode
+    from caddtree.util.errors import InvalidInputError
+
+    cpu, layers = torch.device("cpu"), list(FEATURE_LAYER_IDS)
+    tokens = sum(len(s) for s in data.sequences)
+    need = tokens * len(layers) * target.config.hidden_size * 8  # float64 rows
+    monkeypatch.setattr(packing, "available_memory", lambda: 2 * need)
+    assert resolve_feature_mode("auto", target, data, layers, cpu) == "cache"
+    monkeypatch.setattr(packing, "available_memory", lambda: 2 * need - 1)
+    assert resolve_feature_mode("auto", target, data, layers, cpu) == "step"
+    assert resolve_feature_mode("cache", target, data, layers, cpu) == "cache"
+    with pytest.raises(InvalidInputError, match="--features cache"):
+        config(features="step", l1_weight=0.5).validate()

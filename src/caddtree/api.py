@@ -116,6 +116,7 @@ class SpeculativeGenerator:
         pack_weights: bool = True,
         runtime: str = "auto",
         dequantize: bool = False,
+        draft_dtype: str | torch.dtype | None = "same",
         **target_kwargs: Any,
     ) -> SpeculativeGenerator:
         """Load a transformers causal LM (a directory or hub id, or ``gguf_file``), its tokenizer
@@ -123,10 +124,14 @@ class SpeculativeGenerator:
         :func:`caddtree.loading.load_pair`. A GGUF target's quantized weights run as the file
         holds them on the lean runtimes where the kernels compute them (``dequantize``: as
         bfloat16; ``weight_format`` says which ran), and ``dtype="auto"`` is then bfloat16 on the
-        CPU. ``context_window``: :meth:`set_context_window`; the rest: the class docstring."""
+        CPU. ``draft_dtype``: the drafter's, ``"same"`` as the target, ``"auto"`` bfloat16 beside
+        a float32 target on a CPU with AVX512-BF16 (:func:`caddtree.util.devices.
+        resolve_draft_dtype`), or a dtype; the output is the target's whichever it is.
+        ``context_window``: :meth:`set_context_window`; the rest: the class docstring."""
         check_int("context_window", context_window, minimum=2, allow_none=True)  # before loading
         check_runtime(runtime)
         load = dict(dtype=dtype, device=device, gguf_file=gguf_file, dequantize=dequantize)
+        load["draft_dtype"] = draft_dtype
         pair = load_pair(target, draft, runtime=runtime, **load, **target_kwargs)
         options = dict(cost_model=cost_model, context_window=context_window, runtime=runtime)
         gen = cls(*pair[:3], pack_weights=pack_weights, blocks=pair.blocks, **options)

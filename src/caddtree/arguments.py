@@ -24,10 +24,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .core.cost import CostModel
 
 __all__ = [
+    "add_draft_dtype_argument",
     "add_method_arguments",
-    "add_runtime_arguments",
     "add_pair_arguments",
+    "add_runtime_arguments",
     "add_target_argument",
+    "check_draft_dtype",
     "check_pair_arguments",
     "load_pair",
     "load_pair_of",
@@ -54,6 +56,7 @@ def add_pair_arguments(parser: Any) -> None:
     parser.add_argument(
         "--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64"
     )
+    add_draft_dtype_argument(parser)
     parser.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
     )
@@ -65,6 +68,25 @@ def add_pair_arguments(parser: Any) -> None:
         "max_position_embeddings); past the trained window, positions are extrapolated",
     )
     add_runtime_arguments(parser)
+
+
+def add_draft_dtype_argument(parser: Any) -> None:
+    """``--draft-dtype`` (``args.draft_dtype``), as :func:`load_pair` takes it."""
+    parser.add_argument(
+        "--draft-dtype",
+        default="same",
+        help="the drafter's dtype: same (as --dtype), auto (bfloat16 beside a float32 target on "
+        "a CPU with AVX512-BF16, else the same), or a dtype; the output is the target's either way",
+    )
+
+
+def check_draft_dtype(value: str) -> None:
+    """A ``--draft-dtype`` that names no dtype fails here, before any model loads."""
+    import torch
+
+    from .util.devices import resolve_draft_dtype
+
+    resolve_draft_dtype(value, torch.float32, torch.device("cpu"))
 
 
 def add_runtime_arguments(parser: Any) -> None:
@@ -158,6 +180,7 @@ def check_pair_arguments(args: argparse.Namespace) -> None:
             f"--method {args.method} needs --draft (a DFlash checkpoint); or use --method ar"
         )
     resolve_dtype(args.dtype, torch.device("cpu"))
+    check_draft_dtype(getattr(args, "draft_dtype", "same"))
     if getattr(args, "context_window", None) is not None:
         check_int("--context-window", args.context_window, minimum=2)
     if args.cost_model is not None:
@@ -179,6 +202,7 @@ def load_pair_of(args: argparse.Namespace, *, with_drafter: bool = True) -> Spec
         pack_weights=getattr(args, "pack_weights", True),
         runtime=getattr(args, "runtime", "auto"),
         dequantize=getattr(args, "dequantize", False),
+        draft_dtype=getattr(args, "draft_dtype", "same"),
     )
 
 
@@ -195,12 +219,13 @@ def load_pair(
     pack_weights: bool = True,
     runtime: str = "auto",
     dequantize: bool = False,
+    draft_dtype: Any = "same",
 ) -> SpeculativeGenerator:
     """The generator of ``target`` and ``draft`` (both ``None``: the built-in pair, in bfloat16 for
     ``dtype="auto"``), without its drafter unless ``with_drafter``. For ``method="caddtree"`` its
     cost model is ``cost_model``, else the cached one for this machine (profiled on first use).
     ``context_window``: see :meth:`~caddtree.api.SpeculativeGenerator.set_context_window`;
-    ``pack_weights``, ``runtime``, ``dequantize``: see
+    ``pack_weights``, ``runtime``, ``dequantize``, ``draft_dtype``: see
     :meth:`~caddtree.api.SpeculativeGenerator.from_pretrained`.
     ``generator.source`` names the models loaded."""
     from .api import SpeculativeGenerator
@@ -217,6 +242,7 @@ def load_pair(
         pack_weights=pack_weights,
         runtime=runtime,
         dequantize=dequantize,
+        draft_dtype=draft_dtype,
     )
     if method == "caddtree" and gen.cost_model is None:
         # no silent fallback: profile this machine once (cached), and say so

@@ -16,7 +16,7 @@ import torch
 
 from .runtime.gguf_blocks import gguf_location, gguf_source, quantized_blocks
 from .util.checks import check_int
-from .util.devices import resolve_device, resolve_dtype
+from .util.devices import resolve_device, resolve_draft_dtype, resolve_dtype
 from .util.errors import CheckpointError, InvalidInputError
 
 __all__ = [
@@ -144,6 +144,7 @@ def load_pair(
     gguf_file: str | None,
     runtime: str,
     dequantize: bool,
+    draft_dtype: str | torch.dtype | None = "same",
     **target_kwargs: Any,
 ) -> LoadedPair:
     """Read the target (with SDPA attention, or caddtree's variant on the CPU), its tokenizer,
@@ -169,7 +170,8 @@ def load_pair(
         tokenizer = AutoTokenizer.from_pretrained(target, **extra)
     drafter = None
     if draft is not None:
-        drafter = DFlashDraftModel.from_pretrained(draft, dtype=torch_dtype).to(dev)
+        draft_torch_dtype = resolve_draft_dtype(draft_dtype, torch_dtype, dev)
+        drafter = DFlashDraftModel.from_pretrained(draft, dtype=draft_torch_dtype).to(dev)
     model = model.to(dev)
     blocks = None
     if not dequantize and runtime != "transformers" and lean_unsupported(model) is None:

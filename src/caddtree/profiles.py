@@ -196,7 +196,7 @@ def cached_cost_model(
 def cost_ident(gen: Any) -> dict[str, Any]:
     """What a profile of ``gen`` (a :class:`~caddtree.api.SpeculativeGenerator`) on this machine
     depends on: its cache key's contents."""
-    return {
+    ident = {
         # the target by its path (for the built-in one, a cache directory named by the
         # GGUF's contents); the drafter by its weights, not its path, so that a second clone
         # or virtual environment, whose packaged drafter lies elsewhere, reuses the profile
@@ -224,6 +224,9 @@ def cost_ident(gen: Any) -> dict[str, Any]:
         # an earlier profile is measured again once
         "profiling": 4,
     }
+    if gen.drafter is not None and gen.drafter.dtype != gen.verifier.dtype:
+        ident["draft_dtype"] = str(gen.drafter.dtype)  # (a drafter in the target's: no key)
+    return ident
 
 
 def cached_profile(

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..arguments import add_runtime_arguments
+from ..arguments import add_draft_dtype_argument, add_runtime_arguments, check_draft_dtype
 from ..util.checks import check_int
 from ..util.errors import InvalidInputError
 from ..util.ranks import DistInfo, barrier, init_distributed
@@ -39,6 +39,7 @@ def add_arguments(p: Any) -> None:
         help="auto, float32, bfloat16, float16, float64: the dtype of every method (ar-DTYPE "
         "excepted)",
     )
+    add_draft_dtype_argument(p)
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     add_runtime_arguments(p)
     p.add_argument(
@@ -121,6 +122,7 @@ def cli_main(args: Any) -> int:
     specs = parse_methods(methods, args.budgets, args.ablations, args.lookup)
     _check_model_options(args, specs)  # cheap checks before any data or model
     resolve_dtype(args.dtype, torch.device("cpu"))
+    check_draft_dtype(args.draft_dtype)
     config = BenchConfig(
         prompts={},
         methods=specs,
@@ -205,6 +207,7 @@ def _load_generators(
         pack_weights=args.pack_weights,
         runtime=args.runtime,
         dequantize=getattr(args, "dequantize", False),
+        draft_dtype=args.draft_dtype if needs_draft else "same",
     )
     main_dtype = generator_dtype(gen)
     if args.methods is None:
@@ -259,6 +262,7 @@ def _bench_meta(args: Any, gen: Any, needs_draft: bool) -> dict[str, Any]:
         "target": str(args.target),
         "draft": str(args.draft) if needs_draft else None,
         "dtype": str(gen.verifier.dtype),
+        "draft_dtype": str(gen.drafter.dtype) if gen.drafter is not None else None,
         "device_type": gen.verifier.device.type,
         "machine": machine_description(gen.verifier.device),
         "torch": torch.__version__,

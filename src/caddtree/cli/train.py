@@ -4,7 +4,9 @@ features, training; resumable)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 from typing import Any
 
 from ..arguments import add_target_argument
@@ -16,12 +18,12 @@ def train_drafter(args: argparse.Namespace) -> int:
     """Train a DFlash drafter for a target: regenerate responses with the frozen target, cache its
     context features, then train with anchor blocks. Resumes from OUTPUT if it holds a run."""
     import json
-    import time
     from pathlib import Path
 
     from ..train import train_drafter as train
     from ..util.devices import resolve_device, resolve_dtype
 
+    began = time.monotonic()
     _check_prompt_counts(args)
     config = _train_config(args)
     ranks = _join_ranks(args)
@@ -74,6 +76,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         stop_after=args.stop_after,
         stop_token_ids=stops,
         init_from=args.init_from,
+        deadline=None if args.time_limit is None else began + 60 * args.time_limit,
         ranks=ranks,
     )
     if ranks.distributed:
@@ -112,6 +115,10 @@ def _check_prompt_counts(args: argparse.Namespace) -> None:
 
     check_int("--stop-after", args.stop_after, allow_none=True)
     check_int("--max-prompts", args.max_prompts, allow_none=True)
+    check_int("--eval-samples", args.eval_samples, allow_none=True)
+    limit = args.time_limit
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise InvalidInputError(f"--time-limit must be a number of minutes > 0, got {limit}")
     for flag, count in (
         ("--sharegpt", args.sharegpt),
         ("--code", args.code),
@@ -146,7 +153,9 @@ def _train_config(args: argparse.Namespace) -> Any:
         save_every=args.save_every,
         eval_every=args.eval_every,
         log_every=args.log_every,
+        eval_samples=args.eval_samples,
         compile=args.compile,
+        features=args.features,
         draft_vocab_coverage=args.draft_vocab_coverage or None,
         precision=training_precision(args.precision, args.device),
         loss_weighting=args.loss_weighting,
@@ -251,7 +260,6 @@ def _followup_prompts(
 ) -> list[Any]:
     """The second turns of the first --followups finished conversations of ``data`` that the
     filter keeps (:mod:`caddtree.train.followups`), sampled once into followups_raw.jsonl."""
-    import time
 
     from ..train.followups import conversations, followup_prompts, generate_followups
 
@@ -283,7 +291,6 @@ def _magpie_prompts(
     timings: dict[str, float],
 ) -> list[Any]:
     """Sample --magpie user queries from the target and keep those the filter passes."""
-    import time
 
     from ..train.magpie import filter_queries, generate_queries
 
@@ -348,7 +355,6 @@ def _make_data(
     timings: dict[str, float],
 ) -> Any:
     """Generate (or extend) the training data: the target's responses to ``prompts``."""
-    import time
 
     from ..train import prepare_data
 
@@ -594,6 +600,13 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
         type=int,
         help="end this call after N more steps (saving a checkpoint); run again to go on",
     )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="MINUTES",
+        help="end this call within MINUTES of its start, evaluated and saved, the learning-rate "
+        "schedule shortened to the steps that fit (a later call resumes with --steps' schedule)",
+    )
     p.add_argument("--anchors", type=int, default=32, help="blocks per sample per step")
     p.add_argument("--samples-per-step", type=int, default=4)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -601,9 +614,23 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument(
+        "--eval-samples",
+        type=int,
+        help="held-out samples an evaluation's loss covers (the first in split order; default "
+        "all of them)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="compile the drafter's training forward (torch.compile; compiling first takes a while)",
+    )
+    p.add_argument(
+        "--features",
+        choices=["auto", "cache", "step"],
+        default="auto",
+        help="the target's context features: cache (computed once, kept in memory and in "
+        "features.safetensors), step (computed by the target for each step's samples: no cache, "
+        "a target forward per step), or auto (cache where it takes at most half the free memory)",
     )
     p.add_argument(
         "--log-every",

@@ -89,7 +89,9 @@ class BatchProposer:
         if self.embed_tokens is None or lm_head is None:
             raise CheckpointError("the target model must have input embeddings and an lm_head")
         ids = drafter.draft_token_ids
-        self.lm_head = draft_lm_head(lm_head, ids)
+        # a draft vocabulary's rows are copied in the drafter's dtype (a bfloat16 drafter beside
+        # a float32 target projects in bfloat16); the whole vocabulary is the target's own head
+        self.lm_head = draft_lm_head(lm_head, ids, drafter.fc.weight.dtype)
         if pack and ids is not None:  # its own copy of the head's rows, packed like the rest
             pack_linear_layers(self.lm_head)
         #: target id of each draft id (numpy int64 [K]), or ``None`` with the full vocabulary
@@ -100,8 +102,8 @@ class BatchProposer:
         #: free (the AMX tile unit multiplies a few dozen rows for the price of one); elsewhere
         #: positions are projected on demand, as far as the trees reach
         self.project_at_once = (
-            lm_head.weight.device.type == "cpu"
-            and lm_head.weight.dtype is torch.bfloat16
+            self.lm_head.weight.device.type == "cpu"
+            and self.lm_head.weight.dtype is torch.bfloat16
             and amx_in_use()
         )
         config = drafter.config

@@ -577,16 +577,19 @@ def check_drafter_fits_target(drafter: DFlashDraftModel, target_config: Pretrain
         )
 
 
-def draft_lm_head(lm_head: nn.Module, draft_token_ids: torch.Tensor | None) -> nn.Module:
+def draft_lm_head(
+    lm_head: nn.Module, draft_token_ids: torch.Tensor | None, dtype: torch.dtype | None = None
+) -> nn.Module:
     """``lm_head`` itself, or (with a draft vocabulary) a frozen linear layer of its rows
-    ``draft_token_ids``: draft logit ``i`` is the target's logit of token ``draft_token_ids[i]``."""
+    ``draft_token_ids``, in ``dtype`` (default: the head's): draft logit ``i`` is the target's
+    logit of token ``draft_token_ids[i]``."""
     if draft_token_ids is None:
         return lm_head
     weight = lm_head.weight
     rows = draft_token_ids.to(weight.device)
     bias = getattr(lm_head, "bias", None)
     head = nn.Linear(weight.shape[1], rows.numel(), bias=bias is not None)
-    head = head.to(device=weight.device, dtype=weight.dtype)
+    head = head.to(device=weight.device, dtype=dtype or weight.dtype)
     with torch.no_grad():
         head.weight.copy_(weight[rows])
         if bias is not None:

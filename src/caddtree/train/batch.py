@@ -2,8 +2,9 @@
 
 :class:`SampleBank` holds every sample's tokens and context features in flat tensors with
 offsets on the training device, so a step gathers its samples there instead of copying them
-from the host. :func:`random_anchors` draws a step's anchor blocks with the device's generator,
-and :func:`block_batch` makes the drafter's inputs for them (block tokens, positions, a boolean
+from the host (or, without stored features, computes a batch's from its tokens).
+:func:`random_anchors` draws a step's anchor blocks with the device's generator, and
+:func:`block_batch` makes the drafter's inputs for them (block tokens, positions, a boolean
 mask, labels) with tensor operations: the same inputs as
 :func:`~caddtree.train.loss.build_training_batch`, except that padding blocks see their own
 positions (nothing reads them; no row of the mask is empty). Nothing here reads a device value
@@ -13,7 +14,7 @@ back on the host: the host knows each sample's length, and that is all a step's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -40,9 +41,10 @@ class SampleBank:
         self,
         sequences: Sequence[torch.Tensor],
         prompt_lengths: Sequence[int],
-        features: list[torch.Tensor],
+        features: list[torch.Tensor] | None,
         device: torch.device,
         dtype: torch.dtype,
+        compute: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.host_lengths = [int(s.shape[0]) for s in sequences]
         self.longest = max(self.host_lengths, default=0)
@@ -54,7 +56,10 @@ class SampleBank:
         self.prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.long).to(device)
         flat = torch.cat(list(sequences)) if sequences else torch.zeros(0, dtype=torch.long)
         self.tokens = flat.to(device, torch.long)
-        self.features = _flat_features(features, self.host_lengths, starts, device, dtype)
+        # without stored features, ``compute`` makes a batch's from its tokens [b, T]
+        self.compute = compute
+        if compute is None:
+            self.features = _flat_features(features, self.host_lengths, starts, device, dtype)
 
     def __len__(self) -> int:
         return len(self.host_lengths)
@@ -69,6 +74,9 @@ class SampleBank:
         padded past its end with its last row (which no block sees)."""
         last = (self.lengths[ids] - 1)[:, None]
         rows = self.starts[ids][:, None] + torch.arange(T, device=self.device).minimum(last)
+        if self.compute is not None:
+            tokens = self.tokens[rows]
+            return tokens, self.compute(tokens).to(self.dtype)
         return self.tokens[rows], self.features[rows]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,18 +29,66 @@ from ..util.ranks import DistInfo, all_objects, barrier
 from .data import TrainingData, target_fingerprint
 from .targets import TargetDistributions, TopKSpec, topk_rows
 
+logger = logging.getLogger(__name__)
+
 PART_SAMPLES = 1024
 """Samples per part of a feature cache: the file is saved after each part, so an interrupted
 pass loses at most one part's work."""
 
 __all__ = [
+    "StepFeatures",
     "cached_features",
     "cached_pass",
     "compute_features",
     "compute_features_and_targets",
     "load_features",
     "load_targets",
+    "resolve_feature_mode",
 ]
+
+
+class StepFeatures:
+    """Context features computed as a step needs them: the frozen target's decoder over the
+    step's tokens [b, T] (each sample padded past its end, which no earlier position sees under
+    causal attention), features [b, T, k*H] in the target's dtype. No cache is kept."""
+
+    def __init__(self, target: Any, layer_ids: Sequence[int]) -> None:
+        self.decoder = target.get_decoder()
+        self.layer_ids = list(layer_ids)
+        self.dtype = target.get_input_embeddings().weight.dtype
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        select = [i + 1 for i in self.layer_ids]
+        out = self.decoder(input_ids=tokens, output_hidden_states=select, use_cache=False)
+        return extract_context_features(out.hidden_states, self.layer_ids)
+
+
+def resolve_feature_mode(
+    mode: str, target: Any, data: TrainingData, layer_ids: Sequence[int], device: torch.device
+) -> str:
+    """``"cache"`` or ``"step"`` for a :class:`~caddtree.train.TrainConfig`'s ``features``:
+    ``"auto"`` is ``"cache"`` where every sample's features take at most half the memory free on
+    ``device`` (CUDA's free memory, the system's ``MemAvailable`` on the CPU), else ``"step"``."""
+    if mode != "auto":
+        return mode
+    from ..runtime.packing import available_memory
+
+    weight = target.get_input_embeddings().weight
+    row = len(layer_ids) * int(weight.shape[1]) * weight.element_size()
+    need = sum(int(s.shape[0]) for s in data.sequences) * row
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = available_memory()
+    chosen = "cache" if free is None or need <= free / 2 else "step"
+    logger.info(
+        "context features: %s (all samples' features: %.1f GB; free: %s)",
+        "cached" if chosen == "cache" else "computed per step",
+        need / 1e9,
+        "unknown" if free is None else f"{free / 1e9:.1f} GB",
+    )
+    return chosen
 
 
 def _length_batches(data: TrainingData, max_batch_tokens: int) -> list[list[int]]:

@@ -25,6 +25,7 @@ import torch
 from ..models.dflash import additive_mask, draft_lm_head
 from ..util.ranks import DistInfo, all_objects, all_sum
 from .batch import SampleBank, anchors_from_lists, block_batch, random_anchors
+from .features import StepFeatures
 from .head_loss import head_cross_entropy
 
 __all__ = [
@@ -225,8 +226,8 @@ def _block_stats(
 
 class AnchorBlockLoss:
     """The training loss of a drafter over anchor blocks of samples (their cached context features
-    in ``features``), through the target's frozen embeddings and ``lm_head`` (its draft-vocabulary
-    rows where the drafter has one); ``targets`` (a
+    in ``features``, or ``None``: computed per step by ``target``), through the target's frozen
+    embeddings and ``lm_head`` (its draft-vocabulary rows where the drafter has one); ``targets`` (a
     :class:`~caddtree.train.targets.TargetDistributions` over the drafter's vocabulary) give the
     L1 and LK terms and the per-position acceptance."""
 
@@ -253,8 +254,15 @@ class AnchorBlockLoss:
             self.label_map = torch.full((vocab,), -100, dtype=torch.long, device=device)
             self.label_map[ids.to(device)] = torch.arange(ids.numel(), device=device)
         self.data = data
-        dtype = features[0].dtype if features else torch.bfloat16
-        self.bank = SampleBank(data.sequences, data.prompt_lengths, features, device, dtype)
+        compute = None
+        if features is None:  # computed per step by the target (TrainConfig.features "step")
+            compute = StepFeatures(target, drafter.target_layer_ids)
+            dtype = compute.dtype
+        else:
+            dtype = features[0].dtype if features else torch.bfloat16
+        self.bank = SampleBank(
+            data.sequences, data.prompt_lengths, features, device, dtype, compute
+        )
         B = config.block_size
         self.position_weights = torch.exp(
             -torch.arange(B - 1, dtype=torch.float32) / config.gamma

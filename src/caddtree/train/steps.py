@@ -179,7 +179,8 @@ def _window_ends(config: Any, step: int, start: int, last: int, evaluates: bool)
 
 
 def _evaluate(loop: Loop) -> dict[str, Any]:
-    return evaluate(loop.trainer, loop.eval_ids, loop.trainer.config.seed)
+    config = loop.trainer.config
+    return evaluate(loop.trainer, loop.eval_ids[: config.eval_samples], config.seed)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from ..util.files import atomic_write_text, recover_directory, replace_directory
 from ..util.ranks import DistInfo, from_rank0
 from .batch import by_length
 from .data import TrainingData, choose_draft_vocab, describe_differences, split_samples
-from .features import cached_pass
+from .features import cached_pass, resolve_feature_mode
 from .loss import AnchorBlockLoss
 from .steps import Loop, run_steps
 from .targets import DEFAULT_TOPK, TopKSpec
@@ -89,6 +89,9 @@ class TrainConfig:
     # this many steps; their step_s is the window's mean)
     log_every: int = 10
     eval_fraction: float = 0.05  # samples held out to report acceptance-like accuracy
+    # how many of them (the first in split order) an evaluation's loss and accuracy cover; None:
+    # all (the walks cover the first WALK_SAMPLES either way)
+    eval_samples: int | None = None
     # Draft vocabulary: the smallest set of most frequent response tokens that covers this share
     # of response tokens (plus the stop tokens); None trains over the target's whole vocabulary.
     draft_vocab_coverage: float | None = None
@@ -96,6 +99,12 @@ class TrainConfig:
     # compile the drafter's training forward with torch.compile (inductor): fused element-wise
     # work, after a one-time compilation (benchmarks/train_step.py --compile measures the steps)
     compile: bool = False
+    # Where the drafter's inputs, the target's context features, come from: "cache" computes them
+    # once for every sample and keeps them (in RAM or device memory, and features.safetensors);
+    # "step" runs the frozen target on each step's samples instead (no cache: for data whose
+    # features outgrow the memory, at the price of a target forward per step); "auto" takes
+    # "cache" where it fits in half the free memory of the device (resolve_feature_mode)
+    features: str = "auto"
     # The loss: ce_weight x cross-entropy + l1_weight x L1 (sum |p - q| = 2 TV between the
     # target's and the drafter's distributions over the draft vocabulary) + lk_weight x LK
     # (-log(1 - TV), arXiv 2602.23881), each a position-weighted mean (caddtree.train.loss).
@@ -127,10 +136,12 @@ class TrainConfig:
             "eval_fraction": 0 <= self.eval_fraction < 1,
             "save_every": self.save_every >= 1,
             "eval_every": self.eval_every >= 1,
+            "eval_samples": self.eval_samples is None or self.eval_samples >= 1,
             "log_every": self.log_every >= 1,
             "draft_vocab_coverage": self.draft_vocab_coverage is None
             or 0 < self.draft_vocab_coverage <= 1,
             "precision": self.precision in ("float32", "bfloat16"),
+            "features": self.features in ("auto", "cache", "step"),
             "loss_weighting": self.loss_weighting in ("decay", "dpace"),
             "dpace_alpha": 0 < self.dpace_alpha <= 1,
         }
@@ -155,6 +166,11 @@ class TrainConfig:
         if k is not None and not (is_int(k) and k >= 0):
             raise InvalidInputError(
                 f"target_topk (--target-topk) must be an integer >= 0, got {k!r}"
+            )
+        if self.features == "step" and self.topk():
+            raise InvalidInputError(
+                "--features step computes no stored distribution of the target, which the L1 "
+                "and LK terms and --target-topk need: use --features cache"
             )
         if self.topk() == 0 and (self.l1_weight or self.lk_weight):
             raise InvalidInputError(
@@ -287,7 +303,11 @@ def train_drafter(
     drafter.to(device).train()
 
     targets = None
-    if features is None or config.topk():
+    if features is None:  # rank 0's choice, where the ranks' free memory differs
+        layers = config.target_layer_ids
+        mode = resolve_feature_mode(config.features, target, data, layers, device)
+        config.features = from_rank0(ranks, mode)
+    if config.features != "step" and (features is None or config.topk()):
         cached, targets = _features_and_targets(target, data, drafter, config, out, progress, ranks)
         features = cached if features is None else features
     train_ids, eval_ids = _split(data, config, out, ranks)
@@ -421,7 +441,8 @@ def _drafter_from(init_from: str | os.PathLike[str], config: TrainConfig) -> DFl
 def _resumed_drafter(ckpt: Path, state: dict, config: TrainConfig) -> DFlashDraftModel:
     # The length of the run and how often it reports may change on resume; settings left as
     # None are derived, and come from the checkpoint.
-    free = ("steps", "save_every", "eval_every", "log_every", "precision", "compile")
+    free = ("steps", "save_every", "eval_every", "log_every", "precision", "compile", "features")
+    free += ("eval_samples",)
     now = {k: v for k, v in asdict(config).items() if k not in free and v is not None}
     # a setting added after the checkpoint was written had its default then
     defaults = asdict(TrainConfig())

@@ -54,6 +54,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         ) from None
 
 
+def resolve_draft_dtype(
+    choice: str | torch.dtype | None, target_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The drafter's dtype: ``"same"`` (or ``None``) is the target's; ``"auto"`` is bfloat16 beside
+    a float32 target on a CPU with AVX512-BF16 (where a bfloat16 pass is the cheaper one; the
+    drafter only proposes, so the output is the target's either way), else the target's; any
+    other value names a dtype (:func:`resolve_dtype`)."""
+    if choice is None or choice == "same":
+        return target_dtype
+    if choice == "auto":
+        fast_bf16 = device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
+        return torch.bfloat16 if target_dtype == torch.float32 and fast_bf16 else target_dtype
+    return resolve_dtype(choice, device)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: the name :func:`resolve_dtype` accepts back."""
     return str(dtype).removeprefix("torch.")
