@@ -29,6 +29,7 @@ def fake_loop(monkeypatch, tmp_path, *, step_s, eval_s=0.0, save_s=0.0, deadline
     clock = FakeTime()
     monkeypatch.setattr(steps, "time", clock)
     defaults = dict(steps=1000, log_every=4, save_every=10**6, eval_every=10**6, seed=0)
+    defaults["eval_samples"] = None
     config = SimpleNamespace(**{**defaults, **cfg})
     cost = step_s if callable(step_s) else (lambda step: step_s)
 

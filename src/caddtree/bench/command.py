@@ -27,10 +27,8 @@ from .runner import BenchConfig, generator_dtype, run_bench
 __all__ = ["add_arguments", "cli_main"]
 
 
-def add_arguments(p: Any) -> None:
-    """The ``caddtree bench`` options."""
-    from .datasets import PAPER_BENCHMARKS
-
+def _add_model_options(p: Any) -> None:
+    """The models, their dtypes, the device and the runtime."""
     p.add_argument("--target", help="target model (default: the built-in SmolLM2 pair)")
     p.add_argument("--draft", help="DFlash drafter for --target")
     p.add_argument(
@@ -42,6 +40,13 @@ def add_arguments(p: Any) -> None:
     add_draft_dtype_argument(p)
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     add_runtime_arguments(p)
+
+
+def add_arguments(p: Any) -> None:
+    """The ``caddtree bench`` options."""
+    from .datasets import PAPER_BENCHMARKS
+
+    _add_model_options(p)
     p.add_argument(
         "--datasets",
         nargs="+",

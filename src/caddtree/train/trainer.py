@@ -302,14 +302,7 @@ def train_drafter(
     check_drafter_fits_target(drafter, target.config)
     drafter.to(device).train()
 
-    targets = None
-    if features is None:  # rank 0's choice, where the ranks' free memory differs
-        layers = config.target_layer_ids
-        mode = resolve_feature_mode(config.features, target, data, layers, device)
-        config.features = from_rank0(ranks, mode)
-    if config.features != "step" and (features is None or config.topk()):
-        cached, targets = _features_and_targets(target, data, drafter, config, out, progress, ranks)
-        features = cached if features is None else features
+    features, targets = _inputs(target, data, drafter, config, out, progress, ranks, features)
     train_ids, eval_ids = _split(data, config, out, ranks)
     trainer = AnchorBlockLoss(drafter, target, features, data, config, device, targets, ranks)
     if ranks.distributed:
@@ -371,7 +364,7 @@ def _resume_point(
     return start, list(state["log"])
 
 
-def _features_and_targets(
+def _inputs(
     target: Any,
     data: TrainingData,
     drafter: DFlashDraftModel,
@@ -379,16 +372,32 @@ def _features_and_targets(
     out: Path,
     progress: bool,
     ranks: DistInfo,
-) -> tuple[list[torch.Tensor], Any]:
-    """The context features and, when ``config`` asks for them, the target's next-token top-k
-    over the drafter's vocabulary, from the run's cache (``features.safetensors``) or computed
-    (shared by the ranks under torchrun)."""
-    topk = None
-    if config.topk():
-        vocab = int(target.config.get_text_config().vocab_size)
-        topk = TopKSpec.make(config.topk(), drafter.draft_token_ids, vocab)
-    path = out / "features.safetensors"
-    return cached_pass(target, data, config.target_layer_ids, path, progress, topk, ranks)
+    features: list[torch.Tensor] | None,
+) -> tuple[list[torch.Tensor] | None, Any]:
+    """The features the trainer reads (``None``: computed per step) and the target's top-k,
+    once ``config.features`` is settled (rank 0's choice, where the ranks' free memory
+    differs): from the run's cache (``features.safetensors``) or computed (shared by the ranks
+    under torchrun)."""
+    if features is None:
+        layers, device = config.target_layer_ids, drafter.fc.weight.device
+        mode = resolve_feature_mode(config.features, target, data, layers, device)
+        config.features = from_rank0(ranks, mode)
+    targets = None
+    if config.features != "step" and (features is None or config.topk()):
+        path, topk = out / "features.safetensors", _topk_spec(target, drafter, config)
+        layers = config.target_layer_ids
+        cached, targets = cached_pass(target, data, layers, path, progress, topk, ranks)
+        features = cached if features is None else features
+    return features, targets
+
+
+def _topk_spec(target: Any, drafter: DFlashDraftModel, config: TrainConfig) -> Any:
+    """What the feature pass stores of the target's next-token distribution over the drafter's
+    vocabulary (``None``: nothing, where the loss needs none)."""
+    if not config.topk():
+        return None
+    vocab = int(target.config.get_text_config().vocab_size)
+    return TopKSpec.make(config.topk(), drafter.draft_token_ids, vocab)
 
 
 def _starting_drafter(
