@@ -2,6 +2,7 @@
 
     python benchmarks/chain_walk.py DRAFTER PROMPTS.jsonl [--data DATA] [--max-new-tokens 64]
                                     [--dtype float32] [--budgets 16]
+    python benchmarks/chain_walk.py DRAFTER --heldout 200 [--split SPLIT.json] ...
 
 For each prompt of ``PROMPTS.jsonl`` (``{"prompt": ...}`` per line, e.g.
 ``training-data/smollm2-135m-instruct/unseen40.jsonl``), finds its sample in ``--data`` (the
@@ -16,12 +17,15 @@ does. Compare with
         --max-new-tokens 64 --dtype bfloat16 --out chain.jsonl
 
 (the data's responses are the target's greedy bfloat16 ones, which is what that decodes).
+``--heldout N`` walks N of the data's held-out samples instead (drawn with ``random.Random(1)``
+from ``--split``, the committed split by default), with no prompt file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -34,12 +38,15 @@ from caddtree.train.trainer import TrainConfig, load_trained_drafter
 from caddtree.util.defaults import default_target_dir
 
 DATA = Path(__file__).resolve().parents[1] / "training-data/smollm2-135m-instruct/data.safetensors"
+SPLIT = DATA.with_name("split.json")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("drafter", type=Path)
-    ap.add_argument("prompts", type=Path)
+    ap.add_argument("prompts", type=Path, nargs="?")
+    ap.add_argument("--heldout", type=int, help="walk N held-out samples instead of PROMPTS")
+    ap.add_argument("--split", type=Path, default=SPLIT)
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", help="the drafter's dtype for the walk")
@@ -50,14 +57,20 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
     data = TrainingData.load(args.data)
-    where = {
-        tuple(s[:p].tolist()): i
-        for i, (s, p) in enumerate(zip(data.sequences, data.prompt_lengths))
-    }
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()]
-    found = [where.get(tuple(chat_prompt_ids(tokenizer, p))) for p in prompts]
-    if None in found:
-        raise SystemExit(f"{found.count(None)} prompts have no sample in {args.data}")
+    if args.heldout:
+        held = json.loads(args.split.read_text())["heldout"]
+        found = random.Random(1).sample(held, args.heldout)
+    elif args.prompts:
+        where = {
+            tuple(s[:p].tolist()): i
+            for i, (s, p) in enumerate(zip(data.sequences, data.prompt_lengths))
+        }
+        prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()]
+        found = [where.get(tuple(chat_prompt_ids(tokenizer, p))) for p in prompts]
+        if None in found:
+            raise SystemExit(f"{found.count(None)} prompts have no sample in {args.data}")
+    else:
+        raise SystemExit("give PROMPTS.jsonl or --heldout N")
     samples = TrainingData(
         [data.sequences[i][: data.prompt_lengths[i] + args.max_new_tokens] for i in found],
         [data.prompt_lengths[i] for i in found],

@@ -74,10 +74,10 @@ class SampleBank:
         padded past its end with its last row (which no block sees)."""
         last = (self.lengths[ids] - 1)[:, None]
         rows = self.starts[ids][:, None] + torch.arange(T, device=self.device).minimum(last)
+        tokens = self.tokens[rows]
         if self.compute is not None:
-            tokens = self.tokens[rows]
             return tokens, self.compute(tokens).to(self.dtype)
-        return self.tokens[rows], self.features[rows]
+        return tokens, self.features[rows]
 
 
 def _flat_features(

@@ -59,9 +59,17 @@ class StepFeatures:
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        select = [i + 1 for i in self.layer_ids]
-        out = self.decoder(input_ids=tokens, output_hidden_states=select, use_cache=False)
-        return extract_context_features(out.hidden_states, self.layer_ids)
+        return _decoder_pass(self.decoder, tokens, self.layer_ids)[0]
+
+
+def _decoder_pass(
+    decoder: Any, ids: torch.Tensor, layer_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's decoder alone over ``ids`` [b, T] (its lm_head runs only where a caller
+    asks): the context features of ``layer_ids`` [b, T, k*H] and the final hidden states."""
+    select = [i + 1 for i in layer_ids]
+    out = decoder(input_ids=ids, output_hidden_states=select, use_cache=False)
+    return extract_context_features(out.hidden_states, layer_ids), out.last_hidden_state
 
 
 def resolve_feature_mode(
@@ -127,7 +135,6 @@ def _feature_pass(
     from tqdm.auto import tqdm
 
     device = target.get_input_embeddings().weight.device
-    select = [i + 1 for i in layer_ids]
     n = len(data.sequences)
     feats: list[torch.Tensor | None] = [None] * n
     rows: list[dict[str, torch.Tensor] | None] = [None] * n
@@ -137,15 +144,13 @@ def _feature_pass(
         ids = torch.zeros((len(idx), width), dtype=torch.long)
         for row, i in enumerate(idx):
             ids[row, : len(data.sequences[i])] = data.sequences[i]
-        # the decoder alone: the lm_head runs on the response rows only, when asked to
-        out = target.get_decoder()(
-            input_ids=ids.to(device), output_hidden_states=select, use_cache=False
-        )
-        batch = extract_context_features(out.hidden_states, layer_ids).cpu()
+        # the lm_head runs on the response rows only, when asked to
+        batch, last_hidden = _decoder_pass(target.get_decoder(), ids.to(device), layer_ids)
+        batch = batch.cpu()
         for row, i in enumerate(idx):
             feats[i] = batch[row, : len(data.sequences[i])].clone()
         if topk is not None:
-            _response_rows(target, data, idx, out.last_hidden_state, topk, rows)
+            _response_rows(target, data, idx, last_hidden, topk, rows)
         bar.update(len(idx))
     bar.close()
     if topk is None or n == 0:
