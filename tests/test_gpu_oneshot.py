@@ -423,6 +423,42 @@ def test_a_chunk_of_features_starts_only_while_it_fits(monkeypatch):
     )
 
 
+def test_features_stop_where_the_memory_is_full(monkeypatch):
+    from caddtree.train import features as features_module
+    from caddtree.train.oneshot_work import Deadline, FeatureRoom, Pace, Target, features_until
+
+    monkeypatch.setattr(
+        features_module,
+        "compute_features",
+        lambda model, part, layers, **kw: [torch.zeros(len(s), 1) for s in part.sequences],
+    )
+    data = TrainingData([torch.arange(100)] * 50, [10] * 50)
+    target = Target(None, None, 2, {}, torch.device("cpu"))
+    room = FeatureRoom(1_000)
+    kwargs = {"chunk": 4, "max_batch_tokens": 64, "pace": Pace(), "room": room}
+    got = features_until(target, data, [0], Deadline(60.0), **kwargs)
+    assert len(got) == 8 and room.tokens == 200  # 2 chunks of 400 tokens fit in 1,000, a 3rd not
+    three = TrainingData([torch.arange(100)] * 3, [10] * 3)
+    assert features_until(target, three, [0], Deadline(60.0), **kwargs) == []
+    two = TrainingData([torch.arange(100)] * 2, [10] * 2)
+    assert len(features_until(target, two, [0], Deadline(60.0), **kwargs)) == 2
+    assert room.tokens == 0
+
+
+def test_the_feature_room_on_a_cpu_keeps_two_copies_in_a_third(monkeypatch):
+    from caddtree.runtime import packing
+    from caddtree.train.oneshot_work import Target, feature_room
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 8)  # float32: 8 x 4 bytes a layer's row
+    model.get_input_embeddings = lambda: model.embed
+    target = Target(model, None, 2, {}, torch.device("cpu"))
+    monkeypatch.setattr(packing, "available_memory", lambda: 3 * 2 * 32 * 100)
+    assert feature_room(target, [0, 1]).tokens == 100
+    monkeypatch.setattr(packing, "available_memory", lambda: None)
+    assert feature_room(target, [0, 1]).tokens is None
+
+
 class _Tokenizer:
     pad_token_id = 0
 

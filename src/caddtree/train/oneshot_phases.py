@@ -20,6 +20,7 @@ from .oneshot_work import (
     Target,
     committed_training_data,
     decode_greedy,
+    feature_room,
     features_until,
     load_target,
     make_queries,
@@ -271,8 +272,10 @@ def features(state: State, deadline: Deadline) -> dict:
     """Features of the held-out samples, the new data, then the committed training samples."""
     s, target = state.settings, state.target
     layers = list(state.shipped.target_layer_ids)
+    room = feature_room(target, layers)
     kwargs = {"chunk": s.feature_chunk, "max_batch_tokens": s.feature_batch_tokens, "pace": Pace()}
-    figures: dict[str, Any] = {}
+    kwargs["room"] = room
+    figures: dict[str, Any] = {"room_tokens": room.tokens}
     if state.eval_data is not None and state.eval_data.sequences:
         state.eval_features = features_until(target, state.eval_data, layers, deadline, **kwargs)
         state.eval_data = _first(state.eval_data, len(state.eval_features))

@@ -304,6 +304,39 @@ def committed_training_data(folder: Path) -> TrainingData | None:
     )
 
 
+@dataclass
+class FeatureRoom:
+    """How many more tokens' context features the memory holds (shared by the calls of one
+    phase); ``None``: no limit."""
+
+    tokens: int | None = None
+
+    def take(self, tokens: int) -> bool:
+        """Whether ``tokens`` more fit; if they do, they are counted."""
+        if self.tokens is None:
+            return True
+        if tokens > self.tokens:
+            return False
+        self.tokens -= tokens
+        return True
+
+
+def feature_room(target: Target, layer_ids: Sequence[int]) -> FeatureRoom:
+    """The tokens whose features fit in memory: the features come to the host as they are made
+    and the trainer copies them into one tensor on the device, so a GPU run keeps them within
+    half the host's available memory and half the device's free memory, a CPU run (two copies in
+    the same memory) within a third of the available memory."""
+    from ..runtime.packing import available_memory
+
+    weight = target.model.get_input_embeddings().weight
+    row = len(layer_ids) * int(weight.shape[1]) * weight.element_size()
+    host = available_memory()
+    limits = [] if host is None else [host // (2 if target.device.type == "cuda" else 3)]
+    if target.device.type == "cuda":
+        limits.append(torch.cuda.mem_get_info(target.device)[0] // 2)
+    return FeatureRoom(min(limits) // row if limits else None)
+
+
 def features_until(
     target: Target,
     data: TrainingData,
@@ -313,19 +346,22 @@ def features_until(
     chunk: int,
     max_batch_tokens: int,
     pace: Pace,
+    room: FeatureRoom | None = None,
 ) -> list[torch.Tensor]:
     """The context features of ``data``'s samples, chunk by chunk in order, for as many chunks
     as fit before ``deadline`` at ``pace`` (seconds per token, measured as it goes and shared by
-    the calls of one phase): the features of the first samples, possibly of none."""
+    the calls of one phase) and in ``room``: the features of the first samples, possibly of
+    none."""
     from .features import compute_features
 
+    room = room or FeatureRoom()
     features: list[torch.Tensor] = []
     for start in range(0, len(data.sequences), chunk):
         part = TrainingData(
             data.sequences[start : start + chunk], data.prompt_lengths[start : start + chunk]
         )
         tokens = sum(len(s) for s in part.sequences)
-        if not deadline.allows(pace.estimate(tokens)):
+        if not deadline.allows(pace.estimate(tokens)) or not room.take(tokens):
             break
         began = clock()
         features.extend(
