@@ -645,6 +645,12 @@ def test_a_float32_step_scores_with_a_float32_copy_of_a_half_precision_head(targ
         value, _ = loss.batch_loss([0, 1], torch.Generator().manual_seed(0))
         value.backward()
         assert torch.isfinite(value) and model.fc.weight.grad is not None
+    rows = list(range(0, VOCAB, 3))  # a draft vocabulary: its rows copied once, in float32
+    model = new_drafter(half, num_layers=1, draft_token_ids=rows).float()
+    cfg = train_config(precision="float32", block_size=model.block_size)
+    loss = AnchorBlockLoss(model, half, feats, data, cfg, torch.device("cpu"))
+    assert loss.lm_head.weight.dtype == torch.float32
+    assert torch.equal(loss.lm_head.weight.to(torch.bfloat16), head[rows])
     assert training_precision("float32", "cpu") == "float32"
     assert training_precision("bfloat16", "cpu") == "bfloat16"
     fast = torch.cpu._is_avx512_bf16_supported()
@@ -846,6 +852,24 @@ def test_features_computed_per_step_give_the_cached_features_loss_and_gradients(
     assert torch.allclose(per_step, cached, rtol=1e-10, atol=0), (per_step, cached)
     for name, grad in cached_grads.items():
         assert torch.allclose(step_grads[name], grad, rtol=1e-8, atol=1e-10), name
+
+
+def test_features_per_step_reuse_the_last_pass_only_for_the_same_tokens(target, data, monkeypatch):
+    from caddtree.train import features as feature_module
+    from caddtree.train.features import StepFeatures
+
+    passes = []
+    real = feature_module._decoder_pass
+    monkeypatch.setattr(
+        feature_module, "_decoder_pass", lambda *a: passes.append(a[1].clone()) or real(*a)
+    )
+    step = StepFeatures(target, list(FEATURE_LAYER_IDS))
+    first, second = data.sequences[0][None, :12], data.sequences[1][None, :12]
+    a = step(first)
+    assert step(first.clone()) is a and len(passes) == 1  # equal tokens: the pass is reused
+    b = step(second)
+    assert len(passes) == 2 and not torch.equal(a, b)
+    assert torch.equal(step(first), a) and len(passes) == 3  # only the last pass is kept
 
 
 def test_a_run_with_features_per_step_trains_as_a_cached_run_and_writes_no_cache(

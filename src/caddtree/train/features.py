@@ -50,16 +50,25 @@ __all__ = [
 class StepFeatures:
     """Context features computed as a step needs them: the frozen target's decoder over the
     step's tokens [b, T] (each sample padded past its end, which no earlier position sees under
-    causal attention), features [b, T, k*H] in the target's dtype. No cache is kept."""
+    causal attention), features [b, T, k*H] in the target's dtype. No cache is kept but, on the
+    CPU, the last call's, which the next call with the same tokens reuses (an evaluation walks
+    one sample's blocks in chunks, each asking for that sample's features; on a GPU the pass is
+    cheap and the comparison would wait for the device)."""
 
     def __init__(self, target: Any, layer_ids: Sequence[int]) -> None:
         self.decoder = target.get_decoder()
         self.layer_ids = list(layer_ids)
         self.dtype = target.get_input_embeddings().weight.dtype
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        return _decoder_pass(self.decoder, tokens, self.layer_ids)[0]
+        last = self.last
+        if last is not None and last[0].shape == tokens.shape and torch.equal(last[0], tokens):
+            return last[1]
+        features = _decoder_pass(self.decoder, tokens, self.layer_ids)[0]
+        self.last = (tokens, features) if tokens.device.type == "cpu" else None
+        return features
 
 
 def _decoder_pass(

@@ -244,9 +244,12 @@ class AnchorBlockLoss:
         # the target's lm_head, or its rows of the draft vocabulary (frozen either way); in
         # float32 when the forward is: a bfloat16 head there took 10 s a step on a CPU without
         # AVX512-BF16 (its input gradient's transposed bfloat16 matmul ran at about 1 GFLOP/s)
-        head = draft_lm_head(target.get_output_embeddings(), ids)
-        if config.precision == "float32" and head.weight.dtype in (torch.bfloat16, torch.float16):
-            head = copy.deepcopy(head).float()
+        full = target.get_output_embeddings()
+        half = full.weight.dtype in (torch.bfloat16, torch.float16)
+        dtype = torch.float32 if config.precision == "float32" and half else None
+        head = draft_lm_head(full, ids, dtype)  # a draft vocabulary's rows copied in that dtype
+        if head is full and dtype is not None:
+            head = copy.deepcopy(full).float()
         self.lm_head = head.requires_grad_(False)
         self.label_map = None  # target id -> draft id, -100 outside the draft vocabulary
         if ids is not None:
