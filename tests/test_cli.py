@@ -55,13 +55,14 @@ def test_generate_json_all_methods_agree(capsys, tiny_pair_dirs, cost_file):
     for method, extra in [
         ("ar", []),
         ("dflash", []),
-        ("ddtree", ["--budget", "8"]),
-        ("caddtree", ["--cost-model", cost_file]),
+        ("ddtree", ["--budget", "8", "--no-lookup"]),
+        ("caddtree", ["--cost-model", cost_file, "--no-lookup"]),
         ("lookup", []),
-        ("caddtree", ["--cost-model", cost_file, "--lookup"]),
+        ("caddtree", ["--cost-model", cost_file]),  # copies join ddtree's and caddtree's trees
     ]:
         out = generate_json(capsys, tiny_pair_dirs, "--method", method, *extra, "hello there")
         assert out["method"] == method
+        assert out["lookup"] == (method in ("ddtree", "caddtree") and "--no-lookup" not in extra)
         assert isinstance(out["text"], str) and len(out["token_ids"]) >= 1
         stats = out["stats"]
         for key in ("tau", "ms_per_token", "rounds", "budget_mean", "budget_std"):
@@ -69,7 +70,7 @@ def test_generate_json_all_methods_agree(capsys, tiny_pair_dirs, cost_file):
         assert stats["ms_per_token"] > 0 and stats["rounds"] >= 1
         assert stats["copied_accepted_tokens"] <= stats["accepted_tokens"]
         if method != "lookup":
-            assert (stats["copied_tokens"] > 0) == ("--lookup" in extra)
+            assert (stats["copied_tokens"] > 0) == out["lookup"]
         outputs[method] = out["token_ids"]
     assert outputs["lookup"] == outputs["ar"]
     assert outputs["dflash"] == outputs["ar"]

@@ -51,6 +51,8 @@ def _speed_line(s) -> str:
             f"  draft acceptance {s.draft_acceptance_rate:.1%} ({s.accepted_tokens} of "
             f"{s.draft_tokens} nodes)  mean acceptance length {s.mean_acceptance_length:.2f}"
         )
+    if s.copied_tokens:
+        line += f"  copied {s.copied_share:.0%} of the tokens"
     return line
 
 
@@ -71,6 +73,8 @@ def _checked_settings(args: argparse.Namespace) -> tuple[int, Any, dict | None]:
             "--lookup adds copies from the context to the trees of --method ddtree and caddtree "
             "(--method lookup decodes with copies alone)"
         )
+    if args.lookup is None:  # the default: copies join the trees that take them
+        args.lookup = args.method in ("ddtree", "caddtree")
     check_text(args.prompt)
     check_tree_budgets(
         args.method, args.budget, args.max_budget, names=("--budget", "--max-budget")
@@ -224,6 +228,7 @@ def _json_output(gen: Any, compared: Any, divergence: Any, args: argparse.Namesp
 
     result, baseline = compared.result, compared.baseline
     out = result.to_dict(per_round=args.per_round)
+    out["lookup"] = bool(args.lookup)
     if baseline is not None:
         out["dtype"] = dtype_name(gen.verifier.dtype)
         for i, (dtype, run) in enumerate(compared.ar_runs):
@@ -265,13 +270,14 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
         rows.append((run, dtype, note))
     for res, dtype, note in rows:
         s = res.stats
+        method = f"{s.method}+lookup" if res is result and args.lookup else s.method
         budget = (
             ""
             if s.method == "ar"
             else f"  mean budget {s.budget_mean:.1f} (std {s.budget_std:.1f})"
         )
         print(
-            f"[{s.method} {_run_label(gen, dtype)}] {s.new_tokens} tokens in {s.rounds} rounds  "
+            f"[{method} {_run_label(gen, dtype)}] {s.new_tokens} tokens in {s.rounds} rounds  "
             f"tau {s.tau:.2f}{budget}  {s.ms_per_token:.1f} ms/token  ({s.stop_reason}){note}",
             file=sys.stderr,
         )
@@ -279,7 +285,8 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
     if compared.baseline is None:
         return
     if len(compared.every_ms[0]) > 1:
-        names = [f"{result.method} {_run_label(gen, gen.verifier.dtype)}"]
+        lookup = "+lookup" if args.lookup else ""
+        names = [f"{result.method}{lookup} {_run_label(gen, gen.verifier.dtype)}"]
         names += [f"ar {_run_label(gen, dtype)}" for dtype, _ in ar_runs]
         print(
             f"each run timed {len(compared.every_ms[0])} times in alternating order and shown by "
