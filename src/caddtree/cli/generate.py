@@ -260,6 +260,11 @@ def _run_label(gen: Any, dtype: Any) -> str:
     return name
 
 
+def _method_label(method: str, args: argparse.Namespace) -> str:
+    """The method as the summary names it: ``caddtree+lookup`` where copies joined its trees."""
+    return f"{method}+lookup" if args.lookup and method in ("ddtree", "caddtree") else method
+
+
 def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Namespace) -> None:
     """Each run's statistics, and with AR the timings, the speed-up and the lossless check, on
     stderr."""
@@ -270,7 +275,7 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
         rows.append((run, dtype, note))
     for res, dtype, note in rows:
         s = res.stats
-        method = f"{s.method}+lookup" if res is result and args.lookup else s.method
+        method = _method_label(s.method, args) if res is result else s.method
         budget = (
             ""
             if s.method == "ar"
@@ -285,8 +290,7 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
     if compared.baseline is None:
         return
     if len(compared.every_ms[0]) > 1:
-        lookup = "+lookup" if args.lookup else ""
-        names = [f"{result.method}{lookup} {_run_label(gen, gen.verifier.dtype)}"]
+        names = [f"{_method_label(result.method, args)} {_run_label(gen, gen.verifier.dtype)}"]
         names += [f"ar {_run_label(gen, dtype)}" for dtype, _ in ar_runs]
         print(
             f"each run timed {len(compared.every_ms[0])} times in alternating order and shown by "
@@ -305,6 +309,7 @@ def _print_summary(gen: Any, compared: Any, divergence: Any, args: argparse.Name
 
 def _print_speedup(gen: Any, compared: Any, args: argparse.Namespace) -> None:
     result, ar_runs, fastest = compared.result, compared.ar_runs, compared.fastest
+    name = _method_label(result.method, args)
     same = (
         "identical output" if compared.baseline.token_ids == result.token_ids else "outputs differ"
     )
@@ -313,7 +318,7 @@ def _print_speedup(gen: Any, compared: Any, args: argparse.Namespace) -> None:
     speedup = compared.speedup
     if len(ar_runs) == 1:
         print(
-            f"speed-up of {result.method} over AR, same run: {speedup:.2f}x ({same})",
+            f"speed-up of {name} over AR, same run: {speedup:.2f}x ({same})",
             file=sys.stderr,
         )
         return
@@ -324,7 +329,7 @@ def _print_speedup(gen: Any, compared: Any, args: argparse.Namespace) -> None:
         if i != fastest
     )
     print(
-        f"speed-up of {result.method} over AR, same run: {speedup:.2f}x against AR in "
+        f"speed-up of {name} over AR, same run: {speedup:.2f}x against AR in "
         f"{_run_label(gen, ar_runs[fastest][0])}, the fastest AR ({others})",
         file=sys.stderr,
     )
