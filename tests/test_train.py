@@ -554,7 +554,7 @@ def test_dpace_weighting_trains_and_is_kept_on_resume(target, data, tmp_path):
 
 def test_split_keeps_each_samples_side_when_the_data_grows(data, tmp_path):
     """With a run's split record, samples keep their side (held out or trained on) as the data
-    grows; without a record the split is the seeded rule of earlier versions."""
+    grows and in runs with another seed; without a record the split is the seeded rule."""
     from caddtree.train.data import split_samples
 
     cfg = config(eval_fraction=0.25)
@@ -571,9 +571,12 @@ def test_split_keeps_each_samples_side_when_the_data_grows(data, tmp_path):
     # a run on fewer samples reads the record's first ones and leaves it whole
     assert split_samples(first, cfg, record) == (train24, held24)
     assert json.loads(record.read_text())["samples"] == 40
-    # a record made under another seed does not apply
-    other = config(eval_fraction=0.25, seed=5)
-    assert split_samples(data, other, record) == split_samples(data, other)
+    # a run with another seed or fraction keeps the record's sides (its rule stays recorded)
+    for other in (config(eval_fraction=0.25, seed=5), config(eval_fraction=0.5, seed=0)):
+        train, held = split_samples(data, other, record)
+        assert sorted(held) == sorted(held40) and sorted(train) == sorted(train40)
+    assert json.loads(record.read_text())["rule"] == {"seed": cfg.seed, "eval_fraction": 0.25}
+    assert split_samples(data, config(eval_fraction=0.25, seed=5)) != (train40, held40)
 
 
 def test_feature_cache_computes_only_appended_samples(target, data, tmp_path, monkeypatch):

@@ -445,11 +445,12 @@ def split_samples(
     """Deterministic train / held-out split of the samples that have something to learn, by the
     ``seed`` and ``eval_fraction`` of ``config`` (a :class:`~caddtree.train.TrainConfig`).
 
-    With ``record`` (a run's ``split.json``) the split survives growth: the samples it covers keep
-    their side, and only samples appended since are split (at ``eval_fraction`` of them, by the
-    same seeded rule), so a prompt held out once is never trained on when the data grows. The
-    record is written when it is missing or covers fewer samples than ``data``; it is ignored
-    (and replaced) when it was made with another seed or fraction.
+    With ``record`` (a run's ``split.json``) the split survives growth and new runs: the samples
+    it covers keep their side, and only samples appended since are split (at ``eval_fraction`` of
+    them, by the seeded rule), so a prompt held out once is never trained on, also by a run with
+    another seed or fraction (which gets a warning: the record's split applies). The record is
+    written when it is missing or covers fewer samples than ``data``, keeping the rule it was
+    first made with.
     """
     usable = [
         i for i, (s, p) in enumerate(zip(data.sequences, data.prompt_lengths)) if len(s) - 1 > p
@@ -463,8 +464,16 @@ def split_samples(
             saved = json.loads(Path(record).read_text())
         except (OSError, ValueError):
             saved = None
-        if not isinstance(saved, dict) or saved.get("rule") != rule:
+        if not isinstance(saved, dict) or not {"samples", "heldout"} <= saved.keys():
             saved = None
+        elif saved.get("rule") != rule:
+            logger.warning(
+                "%s was made with %s, this run asks for %s: its held-out samples stay held out "
+                "(only samples appended since are split by this run's rule)",
+                record,
+                saved.get("rule"),
+                rule,
+            )
     covered = min(int(saved["samples"]), len(data.sequences)) if saved else 0
     held_before = {i for i in saved["heldout"] if i < covered} if saved else set()
 
@@ -479,6 +488,7 @@ def split_samples(
     train = [i for i in before if i not in held_before] + after[n_eval:]
     held = [i for i in before if i in held_before] + after[:n_eval]
     if record is not None and (saved is None or len(data.sequences) > int(saved["samples"])):
-        payload = {"rule": rule, "samples": len(data.sequences), "heldout": sorted(held)}
+        made = saved.get("rule", rule) if saved else rule
+        payload = {"rule": made, "samples": len(data.sequences), "heldout": sorted(held)}
         atomic_write_text(Path(record), json.dumps(payload) + "\n")
     return train, held
