@@ -81,6 +81,22 @@ def _decoder_pass(
     return extract_context_features(out.hidden_states, layer_ids), out.last_hidden_state
 
 
+def feature_row_bytes(target: Any, layer_ids: Sequence[int]) -> int:
+    """The bytes of one token's context features of ``layer_ids`` (in the target's dtype)."""
+    weight = target.get_input_embeddings().weight
+    return len(layer_ids) * int(weight.shape[1]) * weight.element_size()
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device``: CUDA's free memory, the system's
+    ``MemAvailable`` on the CPU (``None`` where it cannot be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    from ..runtime.packing import available_memory
+
+    return available_memory()
+
+
 def resolve_feature_mode(
     mode: str, target: Any, data: TrainingData, layer_ids: Sequence[int], device: torch.device
 ) -> str:
@@ -89,15 +105,8 @@ def resolve_feature_mode(
     ``device`` (CUDA's free memory, the system's ``MemAvailable`` on the CPU), else ``"step"``."""
     if mode != "auto":
         return mode
-    from ..runtime.packing import available_memory
-
-    weight = target.get_input_embeddings().weight
-    row = len(layer_ids) * int(weight.shape[1]) * weight.element_size()
-    need = sum(int(s.shape[0]) for s in data.sequences) * row
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = available_memory()
+    need = sum(int(s.shape[0]) for s in data.sequences) * feature_row_bytes(target, layer_ids)
+    free = free_memory(device)
     chosen = "cache" if free is None or need <= free / 2 else "step"
     logger.info(
         "context features: %s (all samples' features: %.1f GB; free: %s)",

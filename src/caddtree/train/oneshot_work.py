@@ -326,14 +326,14 @@ def feature_room(target: Target, layer_ids: Sequence[int]) -> FeatureRoom:
     and the trainer copies them into one tensor on the device, so a GPU run keeps them within
     half the host's available memory and half the device's free memory, a CPU run (two copies in
     the same memory) within a third of the available memory."""
-    from ..runtime.packing import available_memory
+    from .features import feature_row_bytes, free_memory
 
-    weight = target.model.get_input_embeddings().weight
-    row = len(layer_ids) * int(weight.shape[1]) * weight.element_size()
-    host = available_memory()
-    limits = [] if host is None else [host // (2 if target.device.type == "cuda" else 3)]
-    if target.device.type == "cuda":
-        limits.append(torch.cuda.mem_get_info(target.device)[0] // 2)
+    on_gpu = target.device.type == "cuda"
+    host = free_memory(torch.device("cpu"))
+    limits = [] if host is None else [host // (2 if on_gpu else 3)]
+    if on_gpu:
+        limits.append(free_memory(target.device) // 2)
+    row = feature_row_bytes(target.model, layer_ids)
     return FeatureRoom(min(limits) // row if limits else None)
 
 

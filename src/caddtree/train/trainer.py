@@ -378,14 +378,14 @@ def _inputs(
     once ``config.features`` is settled (rank 0's choice, where the ranks' free memory
     differs): from the run's cache (``features.safetensors``) or computed (shared by the ranks
     under torchrun)."""
+    layers = config.target_layer_ids
     if features is None:
-        layers, device = config.target_layer_ids, drafter.fc.weight.device
+        device = drafter.fc.weight.device
         mode = resolve_feature_mode(config.features, target, data, layers, device)
         config.features = from_rank0(ranks, mode)
     targets = None
     if config.features != "step" and (features is None or config.topk()):
         path, topk = out / "features.safetensors", _topk_spec(target, drafter, config)
-        layers = config.target_layer_ids
         cached, targets = cached_pass(target, data, layers, path, progress, topk, ranks)
         features = cached if features is None else features
     return features, targets
