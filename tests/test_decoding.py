@@ -158,7 +158,8 @@ def test_acceptance_is_not_cut_short(qwen3, verifier_type):
     for method, kwargs in [
         ("dflash", {}),
         ("ddtree", {"budget": 8}),
-        *[("caddtree", {"cost_model": m}) for m in cost_models()[:1]],
+        # (the gate off: every round drafts, where the gate would weigh the tiny models' times)
+        *[("caddtree", {"cost_model": m, "gate": False}) for m in cost_models()[:1]],
     ]:
         proposer = OracleProposer(qwen3, prompt, block)
         result = run(qwen3, prompt, method, kwargs, proposer, n_new, verifier_type=verifier_type)
@@ -356,7 +357,7 @@ def test_rounds_without_the_drafter_hand_it_their_features_later(qwen3, drafter)
 def test_the_draft_gate_skips_drafting_only_where_copies_promise_more_and_explores():
     from caddtree.engine.policies import DraftGate
 
-    gate = DraftGate()
+    gate = DraftGate()  # a batch's: drafted rounds by their modelled cost
     assert not gate.skip(1e9)  # nothing measured yet: draft
     for _ in range(DraftGate.WARM - 1):
         gate.observe(3, 0.01)  # drafting delivers 300 tokens a second
@@ -365,15 +366,81 @@ def test_the_draft_gate_skips_drafting_only_where_copies_promise_more_and_explor
     assert not gate.skip(299.0) and gate.skip(301.0)
     assert not gate.skip(0.0)  # a round that drafts ends the run of skipped ones
 
-    def run_of_skips() -> int:
+    def run_of(choice: bool, theta: float) -> int:
         n = 0
-        while gate.skip(1e9):
+        while gate.skip(theta) == choice:
             n += 1
         return n
 
     # after `interval` rounds in a row without the drafter, one drafts to measure it again; where
     # the copies still win after it, the interval doubles, up to MAX_EXPLORE
-    runs = [run_of_skips() for _ in range(5)]
-    assert runs == [8, 16, 32, 64, 64] and DraftGate.EXPLORE == 8 and DraftGate.MAX_EXPLORE == 64
+    runs = [run_of(True, 1e9) for _ in range(5)]
+    assert runs[1:] == [16, 32, 64, 64] and DraftGate.EXPLORE == 8 and DraftGate.MAX_EXPLORE == 64
     gate.observe(30, 0.01)  # the exploring round delivered a lot: drafting wins again
     assert not gate.skip(1000.0) and gate.interval == DraftGate.EXPLORE
+    # a batch's gate never leaves the drafter out to explore: such a round would go unmeasured
+    assert all(not gate.skip(1000.0) for _ in range(3 * DraftGate.MAX_EXPLORE))
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_caddtree_with_the_gate_equals_plain_decoding(
+    qwen3, drafter, verifier_type, lookup, monkeypatch
+):
+    """Rounds with and without the drafter mixed (the gate's choices forced to alternate after
+    its warm-up): the drafter reads the features of the rounds it skipped, and the output is
+    plain decoding's."""
+    from caddtree.engine.policies import DraftGate
+
+    calls = []
+
+    def alternate(self, theta):
+        calls.append(theta)
+        return len(self.drafted) >= DraftGate.WARM and len(calls) % 2 == 0
+
+    monkeypatch.setattr(DraftGate, "skip", alternate)
+    for prompt in PROMPTS:
+        reference = hf_generate(qwen3, prompt, 30, do_sample=False)
+        kwargs = {"cost_model": cost_models()[0], "gate": True, "lookup": lookup}
+        proposer = DFlashProposer(drafter, qwen3)
+        result = run(qwen3, prompt, "caddtree", kwargs, proposer, 30, verifier_type=verifier_type)
+        assert result.token_ids == reference
+        drafted = sum(r.draft_s > 0 for r in result.stats.per_round)
+        assert 0 < drafted < result.stats.rounds
+
+
+def test_the_gate_belongs_to_caddtree():
+    with pytest.raises(InvalidInputError, match="CaDDTree"):
+        make_policy("ddtree", budget=8, gate=True)
+    assert make_policy("caddtree", cost_model=cost_models()[0]).gate is False
+    assert make_policy("caddtree", cost_model=cost_models()[0], lookup=True).gate is True
+
+
+def test_a_measured_gate_weighs_both_choices_in_wall_time():
+    """One request decoding alone: the model says plain rounds deliver 200 tokens a second and
+    drafted ones deliver 3 tokens in 10 ms (300/s), not clearly more; measured, plain rounds take
+    a quarter of the modelled time (800/s): the gate leaves the drafter out. Where plain rounds
+    take their modelled time it drafts, and where drafting is clearly ahead (DOUBT times the
+    model's plain rounds) no plain round is spent measuring them."""
+    from caddtree.engine.policies import DraftGate
+
+    def choices(theta: float, measured_plain: float, rounds: int) -> list[bool]:
+        gate, out = DraftGate(measured=True), []
+        for _ in range(rounds):
+            skip = gate.skip(theta)
+            out.append(skip)
+            if skip:
+                gate.observe_plain(1 / theta, measured_plain)
+            else:
+                gate.observe(3, 0.01)
+        return out
+
+    warm, after = DraftGate.WARM, 2 * DraftGate.WARM
+    fast = choices(200.0, 0.25 / 200, after + 4)
+    assert fast[:after] == [False] * warm + [True] * warm and all(fast[after:])
+    # plain rounds as slow as modelled: drafting wins, and after `interval` drafted rounds in a
+    # row one round leaves the drafter out again (drafting is not DOUBT times ahead)
+    explore = DraftGate.EXPLORE
+    slow = [False] * warm + [True] * warm + [False] * explore + [True] + [False] * 4
+    assert choices(200.0, 1 / 200, len(slow)) == slow
+    assert DraftGate.DOUBT * 100.0 <= 300.0
+    assert not any(choices(100.0, 0.25 / 100, after + DraftGate.EXPLORE + 4))

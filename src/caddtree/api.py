@@ -178,11 +178,13 @@ class SpeculativeGenerator:
         max_budget: int = 1024,
         profile: bool = False,
         lookup: bool = False,
+        gate: bool | None = None,
     ) -> TreePolicy:
         """The tree policy of ``method`` with its budgets checked against the drafter's block.
         CaDDTree's cost model is ``cost_model`` (a model or a file), else this generator's; with
         ``profile``, one is loaded from the cache or profiled when neither is set. ``lookup``:
-        copies from the context join the trees (:func:`caddtree.engine.decoding.make_policy`)."""
+        copies from the context join the trees; ``gate``: CaDDTree drafts only where it pays
+        (:func:`caddtree.engine.decoding.make_policy`)."""
         given = _as_cost_model(cost_model)  # a file is read (and checked) whatever the method
         cost = (given or self.cost_model) if method == "caddtree" else None
         if method == "caddtree" and cost is None and profile:
@@ -190,7 +192,7 @@ class SpeculativeGenerator:
         block = draft_block(self.proposer, self._vocab())
         max_budget = check_tree_budgets(method, budget, max_budget, **block)
         limits = dict(budget=budget, cost_model=cost, max_budget=max_budget, lookup=lookup)
-        return make_policy(method, **limits)
+        return make_policy(method, gate=gate, **limits)
 
     def request(
         self, prompt: Prompt, method: str = "caddtree", **settings: Any
@@ -199,7 +201,7 @@ class SpeculativeGenerator:
         :meth:`generate` or a :class:`~caddtree.engine.batching.BatchDecoder`."""
         s = RequestSettings.of(settings, caller=f"{type(self).__name__}.request")
         limits = dict(budget=s.budget, cost_model=s.cost_model, max_budget=s.max_budget)
-        policy = self.policy(method, lookup=s.lookup, **limits)
+        policy = self.policy(method, lookup=s.lookup, gate=s.gate, **limits)
         if policy.needs_drafter and self.proposer is None:
             raise InvalidInputError(
                 f"method {method!r} needs a DFlash drafter; load one (draft=...) or use method='ar'"

@@ -220,9 +220,10 @@ def cost_ident(gen: Any) -> dict[str, Any]:
         "machine": machine_description(gen.verifier.device),
         # 2: the grid measured in interleaved passes, in decoding's reserved cache; 3: the
         # compiled runtime checks its guards only when the cache changes (cheaper calls); 4:
-        # the drafter's pass runs on the lean arithmetic (a cheaper C_d). A model cached by
-        # an earlier profile is measured again once
-        "profiling": 4,
+        # the drafter's pass runs on the lean arithmetic (a cheaper C_d); 5: C_d is what a
+        # drafted round pays beyond its rows (pass, tree, the verification's slower start). A
+        # model cached by an earlier profile is measured again once
+        "profiling": 5,
     }
     if gen.drafter is not None and gen.drafter.dtype != gen.verifier.dtype:
         ident["draft_dtype"] = str(gen.drafter.dtype)  # (a drafter in the target's: no key)

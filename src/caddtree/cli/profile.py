@@ -112,7 +112,7 @@ def _report(model: Any, saved: Any, args: argparse.Namespace, lengths: list[int]
     print("verification cost C_v(n; l), convex fit per context length:")
     print(model.fit_report())
     print(
-        f"drafting cost C_d = {model.draft_cost * 1e3:.3f} ms per drafter pass "
+        f"drafting cost C_d = {model.draft_cost * 1e3:.3f} ms per drafted round "
         f"(median per context length, mean over {len(lengths)})"
     )
     print(f"saved the cost model to {saved}")

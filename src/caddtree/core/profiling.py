@@ -8,9 +8,11 @@ random marginals, so of realistic shape and depth) is verified once and discarde
 alternating order; the median of a point's trials is its measurement. Interleaving the grid this
 way spreads a slow spell of the machine (a fresh process's first calls, another job) over every
 point as one outlier among several, where timing each point's trials back to back let it shift
-whole stretches of one context's curve. Drafting cost: the median time of one drafter pass (a
-block after a few new context features) at each context length, averaged over the context
-lengths.
+whole stretches of one context's curve. Drafting cost: what a round that drafts pays beyond its
+tree's rows, at each context length (:func:`_drafted_round_extra`: the drafter's pass over a few new
+context features, a tree built from it, and the verification's slower start after them, timed
+against the same verification without them), at least one drafter pass timed alone, averaged
+over the context lengths.
 
 Timings synchronise every device involved (the target's, and the drafter's when it differs)
 around each call, so on CUDA they measure the work, not the kernel launches.
@@ -55,6 +57,9 @@ __all__ = [
 ]
 
 DEFAULT_NODE_COUNTS = (0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+#: the tree a drafted round builds when the profile times what drafting adds to a round
+PROFILE_TREE_BUDGET = 8
 """The grid of the automatic (cached) profile: up to 256 nodes, a minute on a CPU."""
 
 PAPER_CONTEXT_LENGTHS = tuple(range(0, 8193, 1024))
@@ -398,16 +403,23 @@ def profile_cost_model(
     }
     timing = partial(median_time, warmup=warmup, trials=trials, devices=draft_devices)
     draft_times = _draft_times(proposer, features, lengths, bonus, timing, bar)
+    verifier.reset(reserve=reserve)
+    verifier.prefill(context)
+    round_times = [
+        _drafted_round_extra(verifier, proposer, features, length, bonus, trials, draft_devices)
+        for length in sorted(lengths, reverse=True)
+    ][::-1]
     bar.close()
     verifier.reset()
     proposer.reset()
-    draft_cost = float(np.mean(draft_times))
+    draft_cost = float(np.mean([max(r, d) for r, d in zip(round_times, draft_times)]))
     meta = {
         "node_counts": counts,
         "context_lengths": lengths,
         "trials": trials,
         "warmup": warmup,
         "draft_times": draft_times,
+        "drafted_round_extra": round_times,
         "raw_verify": {str(k): v[1] for k, v in measurements.items()},
         # every timed trial, per context length and node count (in pass order): how noisy it was
         "verify_trials": {str(k): [times[k][n] for n in counts] for k in lengths},
@@ -441,6 +453,50 @@ def _measure_noisy_again(
             for n in ns:
                 times[length][n] = steadiest([times[length][n], again[length][n]])
     return retried
+
+
+def _drafted_round_extra(
+    verifier: Any,
+    proposer: Any,
+    features: torch.Tensor,
+    length: int,
+    bonus: int,
+    trials: int,
+    devices: Sequence[torch.device],
+) -> float:
+    """What a round that drafts pays beyond its tree's rows at context ``length``: a verification
+    of the bonus token alone after the drafter's pass (its last 4 tokens new, the whole block
+    projected) and a DDTree of :data:`PROFILE_TREE_BUDGET` nodes built from it, minus the same
+    verification without them, the two timed in turns (medians). Beside the pass, this charges
+    the tree's construction and the verification's slower start after a pass (the drafter's
+    work has taken the caches), which the pass timed alone leaves out. ``verifier`` holds at
+    least ``length`` tokens of the context whose ``features`` are given, and keeps ``length``."""
+    verifier.truncate(max(length, 1))
+    prefix = features[:, : max(length, 1)]
+    proposer.reset()
+    proposer.propose(bonus, prefix[:, :-4] if prefix.shape[1] > 4 else prefix[:, :1])
+    start = proposer.context_length
+    tail, empty = prefix[:, start : start + 4], DraftTree.empty()
+
+    def plain() -> None:
+        verifier.verify(bonus, empty)
+        verifier.discard()
+
+    def drafted() -> None:
+        proposer.crop(start)
+        draft = proposer.propose(bonus, tail)
+        draft.rows()
+        draft.in_target_ids(build_ddtree(draft, PROFILE_TREE_BUDGET))
+        plain()
+
+    times: dict[Callable[[], None], list[float]] = {plain: [], drafted: []}
+    rounds = max(4 * trials, 12)
+    for t in range(2 + rounds):  # two untimed
+        for fn in (drafted, plain) if t % 2 == 0 else (plain, drafted):
+            seconds = _timed(fn, devices)
+            if t >= 2:
+                times[fn].append(seconds)
+    return statistics.median(times[drafted]) - statistics.median(times[plain])
 
 
 def _draft_times(

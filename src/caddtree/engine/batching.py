@@ -41,7 +41,7 @@ from ..util.errors import InvalidInputError
 from .batch_cost import BatchCostModel
 from .decoding import RoundStats, check_prompt, stop_point
 from .joint_budget import JointBudget
-from .policies import ContextCopies, build_tree, copy_depth
+from .policies import ContextCopies, DraftChoice, build_tree, copy_depth
 from .requests import GenerationRequest
 
 __all__ = ["BatchDecoder", "GenerationRequest"]
@@ -59,6 +59,7 @@ class _Running:
     features: list[torch.Tensor]  # in order; joined only when the drafter reads them
     context: TokenContext | None
     copies: ContextCopies | None = None  # its copies from the context (lookup)
+    choice: DraftChoice | None = None  # with copies, CaDDTree's choice to draft or not
     alone: DraftTree | None = None  # this round's tree of copies alone, where the gate chose it
 
     def copy_trie(self) -> CopyTrie | None:
@@ -74,8 +75,10 @@ class _Running:
     def copies_suffice(self) -> bool:
         """Whether this round leaves the drafter out: the copies alone promise more than its
         drafted rounds have delivered (:class:`~caddtree.engine.policies.DraftGate`)."""
-        copies = self.copies
-        self.alone = copies.alone(self.request.policy, self.length) if copies else None
+        choice, copies = self.choice, self.copies
+        self.alone = None
+        if choice is not None and copies is not None:
+            self.alone = choice.alone(self.request.policy, copies.trie, self.length)
         return self.alone is not None
 
     def walk(
@@ -101,6 +104,8 @@ class _Running:
             return None
         if self.copies is not None:
             self.copies.commit(tokens, tokens[:committed])
+        if self.choice is not None:
+            self.choice.observe(committed)  # no per-request time in a batch: modelled costs
         rows = verification_rows(nodes)
         move = (running.slot, running.length, rows)
         running.length += len(rows)
@@ -224,8 +229,11 @@ class BatchDecoder:
             self.proposer.reset(slot)
         copies = None
         if request.policy.lookup:
-            copies = ContextCopies.start([*prompt, bonus], self.copy_rates, request.policy)
-        return _Running(request, slot, len(prompt), bonus, [features], context, copies)
+            copies = ContextCopies.start([*prompt, bonus], self.copy_rates)
+        # the gate of a batch weighs copies alone against drafting; without copies, every
+        # CaDDTree request drafts (the joint budget prices the round)
+        choice = DraftChoice.start(request.policy, measured=False) if copies else None
+        return _Running(request, slot, len(prompt), bonus, [features], context, copies, choice)
 
     def step(self) -> list[GenerationRequest]:
         """One round for every running request (propose, build, verify, walk, commit); returns
@@ -333,8 +341,8 @@ class BatchDecoder:
             ]
         trees = [t.head(self.capacity - r.length - 1) for r, t in zip(running, trees)]
         for r, d, t in zip(running, drafts, trees):
-            if r.copies is not None:
-                r.copies.note_draft(r.request.policy, r.length, t if d is not None else None)
+            if r.choice is not None:
+                r.choice.note_draft(r.request.policy, r.length, t if d is not None else None)
         return trees
 
     def _rows(self, trees: list[DraftTree]) -> Rows:

@@ -34,6 +34,7 @@ from .policies import (
     Chain,
     ContextCopies,
     CostAware,
+    DraftChoice,
     Lookup,
     NoTree,
     TreePolicy,
@@ -249,6 +250,7 @@ class _Loop:
     max_new_tokens: int
     pooled: CopyRates | None = None  # the copies' rates pooled over requests (lookup)
     copies: ContextCopies | None = None
+    choice: DraftChoice | None = None  # CaDDTree's choice to draft or not, each round
     unseen: list[torch.Tensor] = field(default_factory=list)  # features the drafter has not read
     output: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
@@ -269,7 +271,8 @@ class _Loop:
             self.sampler.choose(logits, context.ids() if self.sampler.needs_context else None)
         )
         if self.policy.lookup:
-            self.copies = ContextCopies.start([*prompt, self.output[0]], self.pooled, self.policy)
+            self.copies = ContextCopies.start([*prompt, self.output[0]], self.pooled)
+        self.choice = DraftChoice.start(self.policy, measured=True)
         return logits, features
 
     def cut(self, tokens: list[int]) -> tuple[int, str | None]:
@@ -300,18 +303,16 @@ class _Loop:
     def draft_and_build(self, bonus: int, context_length: int) -> tuple[Any, DraftTree, float]:
         """The round's draft (``None`` without one) and tree, in target ids (the drafter's and,
         with lookup, the copies'), and the seconds the drafter's pass took."""
-        trie = self.copy_trie()
-        copies = self.copies
-        alone = copies.alone(self.policy, context_length) if copies is not None else None
+        trie, choice = self.copy_trie(), self.choice
+        alone = choice.alone(self.policy, trie, context_length) if choice is not None else None
         if alone is not None:
-            copies.note_draft(self.policy, context_length, None)
             return None, alone, 0.0
         t0 = time.perf_counter()
         draft = self.propose(bonus)
         propose_s = time.perf_counter() - t0
         tree = build_tree(self.policy, draft, context_length, trie)
-        if copies is not None:
-            copies.note_draft(self.policy, context_length, tree if draft is not None else None)
+        if choice is not None:
+            choice.note_draft(self.policy, context_length, tree if draft is not None else None)
         return draft, tree, propose_s
 
     def round(self, bonus: int, features: torch.Tensor) -> _RoundOutcome:
@@ -349,6 +350,8 @@ class _Loop:
         stats.confidence, stats.project_s, stats.forward_s = confidence, project_s, t_forward - t2
         stats.projected = draft.projected if draft is not None else 0
         stats.round_s = time.perf_counter() - t0
+        if self.choice is not None:
+            self.choice.observe(len(tokens), stats.round_s)
         self.rounds.append(stats)
         rows = verification_rows(nodes)[:keep]  # where the kept tokens were chosen
         return _RoundOutcome(tree, stats, tokens, logits, rows, next_bonus, features, stop_reason)

@@ -42,13 +42,13 @@ __all__ = [
     "Chain",
     "ContextCopies",
     "CostAware",
+    "DraftChoice",
     "DraftGate",
     "Lookup",
     "NoTree",
     "TreePolicy",
     "build_tree",
     "chain_tree",
-    "copies_alone",
     "COPY_REACH",
     "copy_depth",
     "make_policy",
@@ -179,6 +179,7 @@ class CostAware:
     name: str = "caddtree"
     needs_drafter: bool = True
     lookup: bool = False
+    gate: bool = False  # each round, draft only where drafting pays (DraftGate)
     # the last costs read, by (context length, drafting): a round reads them up to three times
     _costs: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -215,16 +216,22 @@ def make_policy(
     cost_model: CostModel | None = None,
     max_budget: int = 1024,
     lookup: bool = False,
+    gate: bool | None = None,
 ) -> TreePolicy:
     """The tree policy of ``method`` (one of :data:`METHODS`), with a clear error for missing or
     meaningless arguments. ``lookup``: DDTree's and CaDDTree's trees take copies from the
-    context too (method ``lookup`` always does, alone)."""
+    context too (method ``lookup`` always does, alone). ``gate``: CaDDTree runs the drafter only
+    in rounds where it pays (:class:`DraftGate`); ``False`` drafts every round, as the paper's
+    Algorithm 1 does; ``None``: with copies only (where a round of copies alone is the other
+    choice)."""
     check_method(method)
     if lookup and method not in ("ddtree", "caddtree", "lookup"):
         raise InvalidInputError(
             f"lookup adds copies from the context to the trees of ddtree and caddtree, not of "
             f"{method!r}; use one of those, or method 'lookup' for copies alone"
         )
+    if gate and method != "caddtree":
+        raise InvalidInputError(f"the draft gate decides CaDDTree's rounds, not {method!r}'s")
     if method == "ddtree":
         if budget is None:
             raise InvalidInputError("method 'ddtree' needs a node budget (e.g. budget=64)")
@@ -238,7 +245,12 @@ def make_policy(
                 "method 'caddtree' needs a cost model: pass cost_model= (a CostModel or a file from "
                 "`caddtree profile` / ConvexCostModel.fit(...).save())"
             )
-        return CostAware(cost_model, check_int("max_budget", max_budget), lookup=bool(lookup))
+        return CostAware(
+            cost_model,
+            check_int("max_budget", max_budget),
+            lookup=bool(lookup),
+            gate=bool(lookup if gate is None else gate),
+        )
     return {"dflash": Chain, "lookup": Lookup}.get(method, NoTree)()
 
 
@@ -277,99 +289,141 @@ def chain_tree(trie: CopyTrie) -> DraftTree:
     )
 
 
-def copies_alone(policy: TreePolicy, trie: CopyTrie | None, context_length: int):
-    """The round's CaDDTree tree of ``trie``'s copies alone, priced without a drafter pass, and
-    its surrogate throughput ``theta = (1 + Phi(n)) / C_v(n)``."""
-    max_nodes, costs = policy.limits(context_length, drafting=False)
-    tree = build_copies(trie, max_nodes, costs)
-    return tree, (1.0 + tree.phi) / max(costs[len(tree)], 1e-12)
-
-
 class DraftGate:
-    """Whether a CaDDTree round with copies from the context runs the drafter at all: not when
-    the copies alone promise more tokens per second (their surrogate, priced without the
-    drafter's pass) than the last :data:`RECENT` rounds that drafted delivered (tokens committed
-    over their modelled cost: a drafter's rounds accept 0 to a few tokens each, so a short record
-    would follow a bad stretch and leave the drafter out where it pays). The first :data:`WARM`
-    rounds draft; after ``interval`` rounds in a row without the drafter, one drafts again so
-    that what drafting delivers stays measured, and where that round does not change the choice
-    the interval doubles (from :data:`EXPLORE` up to :data:`MAX_EXPLORE`), so a drafter that
-    keeps losing to the copies costs ever fewer rounds."""
+    """Whether a CaDDTree round runs the drafter at all: not when the round's tree without it
+    (copies from the context alone, or nothing: a plain round) promises more tokens per second
+    than the last :data:`RECENT` rounds that drafted delivered (a drafter's rounds accept 0 to a
+    few tokens each, so a short record would follow a bad stretch).
+
+    Where ``measured`` (one request decoding alone), both sides are in wall time: the rounds that
+    drafted by their tokens over their measured seconds, the round without the drafter by its
+    surrogate ``(1 + Phi(n)) / C_v(n)`` rescaled by how long such rounds took against what the
+    cost model said (over the last :data:`RECENT` of them). So a cost model that misprices one
+    kind of round against the other (a drafter pass takes the caches its verification wanted; the
+    machine was busier when it was profiled) cannot keep the drafter running where plain rounds
+    are faster. The first :data:`WARM` rounds draft, the next :data:`WARM` do not (to measure
+    both), unless drafting delivers :data:`DOUBT` times the model's plain rounds or more;
+    elsewhere (a batch, whose rounds have no per-request time) the drafted rounds count by their
+    modelled cost and the model's surrogate stands as it is.
+
+    After ``interval`` rounds in a row of one choice, one round takes the other, so that what it
+    delivers stays measured (a round without the drafter only where drafting is not
+    :data:`DOUBT` times ahead, and only where rounds are measured); where that round does not change the choice the interval doubles
+    (from :data:`EXPLORE` up to :data:`MAX_EXPLORE`), so a losing choice costs ever fewer rounds."""
 
     WARM = 2
     EXPLORE = 8
     MAX_EXPLORE = 64
     RECENT = 64
+    DOUBT = 2.0  # drafting this many times ahead by the model is ahead: no plain rounds to measure
 
-    def __init__(self) -> None:
-        self.drafted: deque[tuple[int, float]] = deque(maxlen=self.RECENT)
-        self.skipped = 0
+    def __init__(self, measured: bool = False) -> None:
+        self.measured = measured
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=self.RECENT)  # (tokens, seconds)
+        self.plain: deque[tuple[float, float]] = deque(maxlen=self.RECENT)  # (modelled, measured)
+        self.streak = 0  # rounds in a row of the last choice
+        self.last = False  # the last choice: skip the drafter
         self.interval = self.EXPLORE
-        self.exploring = False
+        self.exploring: bool | None = None  # the choice an exploring round went against
 
-    def skip(self, theta_copies: float) -> bool:
+    def skip(self, theta_alone: float) -> bool:
         if len(self.drafted) < self.WARM:
             return False
-        if self.skipped >= self.interval:
-            self.skipped, self.exploring = 0, True
-            return False
-        tokens = sum(t for t, _ in self.drafted)
-        seconds = sum(s for _, s in self.drafted)
-        skip = theta_copies >= tokens / seconds
-        if self.exploring:
-            self.exploring = False
-            self.interval = min(2 * self.interval, self.MAX_EXPLORE) if skip else self.EXPLORE
-        self.skipped = self.skipped + 1 if skip else 0
-        return skip
+        rate = sum(t for t, _ in self.drafted) / sum(s for _, s in self.drafted)
+        scale = sum(m for _, m in self.plain) / sum(c for c, _ in self.plain) if self.plain else 1
+        theta = theta_alone / scale
+        doubt = rate < self.DOUBT * theta  # is drafting not clearly ahead?
+        if self.measured and len(self.plain) < self.WARM:
+            return self._chose(doubt)  # then measure rounds without the drafter first
+        choice = theta >= rate
+        if self.exploring is not None:  # the round after one that explored
+            same = choice == self.exploring
+            self.interval = min(2 * self.interval, self.MAX_EXPLORE) if same else self.EXPLORE
+            self.exploring = None
+        elif (
+            choice == self.last and self.streak >= self.interval and (choice or self._unsure(doubt))
+        ):
+            self.exploring, choice = choice, not choice
+        return self._chose(choice)
 
-    def observe(self, tokens: int, modelled_seconds: float) -> None:
-        """A round that drafted committed ``tokens`` at a modelled cost of ``modelled_seconds``."""
-        self.drafted.append((tokens, modelled_seconds))
+    def _unsure(self, doubt: bool) -> bool:
+        """Whether a round without the drafter is worth measuring: drafting is not clearly
+        ahead, and its time is measured (in a batch it would go unmeasured)."""
+        return doubt and self.measured
+
+    def _chose(self, choice: bool) -> bool:
+        self.streak = self.streak + 1 if choice == self.last else 1
+        self.last = choice
+        return choice
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A round that drafted committed ``tokens`` in ``seconds`` (measured, or modelled)."""
+        self.drafted.append((tokens, seconds))
+
+    def observe_plain(self, modelled: float, measured: float) -> None:
+        """A round without the drafter took ``measured`` seconds where the model said ``modelled``."""
+        self.plain.append((modelled, measured))
+
+
+@dataclass
+class DraftChoice:
+    """A CaDDTree request's choice, each round, of running the drafter or not (its
+    :class:`DraftGate`), and the modelled cost of the round it chose, for the gate to learn from."""
+
+    gate: DraftGate
+    drafted_cost: float | None = None
+    alone_cost: float | None = None
+
+    @classmethod
+    def start(cls, policy: TreePolicy, measured: bool) -> DraftChoice | None:
+        """The choice of a request of ``policy`` (CaDDTree's, unless its gate is off; ``None``
+        for the others)."""
+        return cls(DraftGate(measured)) if getattr(policy, "gate", False) else None
+
+    def alone(self, policy: TreePolicy, trie: CopyTrie | None, context_length: int):
+        """The round's tree without the drafter (``trie``'s copies, or empty) where the gate leaves
+        the drafter out; ``None`` when the drafter runs."""
+        self.drafted_cost = self.alone_cost = None
+        max_nodes, costs = policy.limits(context_length, drafting=False)
+        tree = build_copies(trie, max_nodes, costs)
+        if not self.gate.skip((1.0 + tree.phi) / max(costs[len(tree)], 1e-12)):
+            return None
+        self.alone_cost = costs[len(tree)]
+        return tree
+
+    def note_draft(self, policy: TreePolicy, context_length: int, tree: DraftTree | None) -> None:
+        """Remember the round's modelled cost where it drafted ``tree`` (``None``: it did not)."""
+        if tree is not None:
+            self.drafted_cost = policy.limits(context_length)[1][len(tree)]
+
+    def observe(self, tokens: int, seconds: float | None = None) -> None:
+        """The round committed ``tokens`` in ``seconds`` (``None``: unmeasured, as in a batch)."""
+        if self.drafted_cost is not None:
+            self.gate.observe(tokens, self.drafted_cost if seconds is None else seconds)
+        elif self.alone_cost is not None and seconds is not None:
+            self.gate.observe_plain(self.alone_cost, seconds)
+        self.drafted_cost = self.alone_cost = None
 
 
 @dataclass
 class ContextCopies:
     """One request's copies from its context: the index of its prompt and output (the bonus
-    token last), its acceptance rates (pooled into ``rates.prior``), the round's trie, and for
-    CaDDTree the draft gate (whether a round drafts at all) with the round's modelled cost where
-    it drafted."""
+    token last), its acceptance rates (pooled into ``rates.prior``) and the round's trie."""
 
     index: ContextIndex
     rates: CopyRates
-    gate: DraftGate | None = None
     trie: CopyTrie | None = None
-    drafted_cost: float | None = None
 
     @classmethod
-    def start(
-        cls, tokens: Sequence[int], pooled: CopyRates | None, policy: TreePolicy
-    ) -> ContextCopies:
-        gate = DraftGate() if policy.name == "caddtree" else None
-        return cls(ContextIndex(tokens), CopyRates(prior=pooled), gate)
+    def start(cls, tokens: Sequence[int], pooled: CopyRates | None) -> ContextCopies:
+        return cls(ContextIndex(tokens), CopyRates(prior=pooled))
 
     def propose(self, depth: int) -> CopyTrie | None:
         """The round's trie, at most ``depth`` deep."""
         self.trie = copy_trie(self.index, self.rates, depth)
         return self.trie
 
-    def alone(self, policy: TreePolicy, context_length: int) -> DraftTree | None:
-        """The round's tree of copies alone where the gate leaves the drafter out (the copies
-        promise more than drafting has been delivering); ``None`` when the drafter runs."""
-        if self.gate is None:
-            return None
-        tree, theta = copies_alone(policy, self.trie, context_length)
-        return tree if self.gate.skip(theta) else None
-
-    def note_draft(self, policy: TreePolicy, context_length: int, tree: DraftTree | None) -> None:
-        """Remember the round's modelled cost where it drafted ``tree`` (``None``: it did not)."""
-        self.drafted_cost = None
-        if self.gate is not None and tree is not None:
-            self.drafted_cost = policy.limits(context_length)[1][len(tree)]
-
     def commit(self, chosen: Sequence[int], kept: Sequence[int]) -> None:
-        """Learn from the target's ``chosen`` tokens below the bonus; add the ``kept`` ones; and
-        where the round drafted, tell the gate what it delivered."""
+        """Learn from the target's ``chosen`` tokens below the bonus; add the ``kept`` ones."""
         self.rates.observe(self.trie, chosen)
         self.index.extend(kept)
-        if self.drafted_cost is not None:
-            self.gate.observe(len(kept), self.drafted_cost)

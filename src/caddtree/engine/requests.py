@@ -162,7 +162,9 @@ class RequestSettings:
     (strings: the output ends after the token that completes one, kept), ``stopping_criteria``
     (transformers-style). The prompt: ``chat``, ``chat_template_kwargs`` (see
     :func:`encode_prompt`). ``lookup``: DDTree's and CaDDTree's trees take copies from the
-    context too."""
+    context too. ``gate``: CaDDTree runs the drafter only in rounds where it pays (``False``:
+    every round, as the paper's Algorithm 1; ``None``: with ``lookup`` only;
+    :class:`~caddtree.engine.policies.DraftGate`)."""
 
     budget: int | None = None
     cost_model: Any = None
@@ -180,6 +182,7 @@ class RequestSettings:
     chat_template_kwargs: dict[str, Any] | None = None
     seed: int | None = None
     lookup: bool = False
+    gate: bool | None = None
 
     @classmethod
     def of(cls, settings: dict[str, Any], caller: str = "request") -> RequestSettings:
