@@ -88,8 +88,11 @@ def test_profile_writes_a_convex_cost_model_that_loads_back(profiled):
     # the file is versioned JSON, not pickle
     data = json.loads(cost.read_text())
     assert data["format"] == "caddtree.cost_model" and data["type"] == "convex"
-    # C_d is the mean of the per-context medians, and is printed
-    assert model.draft_cost == pytest.approx(np.mean(meta["draft_times"]))
+    # C_d is the mean over the contexts of a drafted round's extra cost (at least the pass
+    # alone), and is printed
+    extra, alone = meta["drafted_round_extra"], meta["draft_times"]
+    assert len(extra) == len(alone) == 3
+    assert model.draft_cost == pytest.approx(np.mean(np.maximum(extra, alone)))
     assert f"C_d = {model.draft_cost * 1e3:.3f} ms" in stdout
 
 
@@ -365,7 +368,13 @@ def test_the_grid_is_measured_in_interleaved_passes(tiny_generator, monkeypatch)
             # a median that met the spell would be 0.25 s more
             assert seconds == pytest.approx(0.002 + 0.0002 * n, abs=1e-5), (length, n, seconds)
     points = collections.Counter((max(length, 1), n) for length in lengths for n in counts)
-    assert collections.Counter(call[:2] for call in calls) == {p: 4 for p in points}
+    # and the drafting cost verifies the bonus alone at each context, with and without a pass
+    # before it: 2 untimed and 12 timed turns of each
+    alone = 2 * (2 + 12)
+    expected = {p: 4 + (alone if p[1] == 0 else 0) for p in points}
+    assert collections.Counter(call[:2] for call in calls) == expected
+    # on this clock the drafter's pass and tree take next to nothing beside a verification
+    assert all(abs(extra) < 1e-5 for extra in model.metadata["drafted_round_extra"])
     (capacity,) = {call[2] for call in calls}  # room reserved once, as decoding reserves it
     assert capacity >= 16 + 32 + 1
     per_pass = len(lengths) * len(counts)
