@@ -308,8 +308,9 @@ class DraftGate:
 
     After ``interval`` rounds in a row of one choice, one round takes the other, so that what it
     delivers stays measured (a round without the drafter only where drafting is not
-    :data:`DOUBT` times ahead, and only where rounds are measured); where that round does not change the choice the interval doubles
-    (from :data:`EXPLORE` up to :data:`MAX_EXPLORE`), so a losing choice costs ever fewer rounds."""
+    :data:`DOUBT` times ahead, and only where rounds are measured); where that round does not
+    change the choice the interval doubles (from :data:`EXPLORE` up to :data:`MAX_EXPLORE`), so a
+    losing choice costs ever fewer rounds."""
 
     WARM = 2
     EXPLORE = 8

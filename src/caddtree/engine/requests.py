@@ -164,7 +164,8 @@ class RequestSettings:
     :func:`encode_prompt`). ``lookup``: DDTree's and CaDDTree's trees take copies from the
     context too. ``gate``: CaDDTree runs the drafter only in rounds where it pays (``False``:
     every round, as the paper's Algorithm 1; ``None``: with ``lookup`` only;
-    :class:`~caddtree.engine.policies.DraftGate`)."""
+    :class:`~caddtree.engine.policies.DraftGate`). In a batch (the server, ``BatchDecoder``),
+    whose rounds have no per-request time, only rounds with copies are gated."""
 
     budget: int | None = None
     cost_model: Any = None
