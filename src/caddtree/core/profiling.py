@@ -472,20 +472,14 @@ def _drafted_round_extra(
     work has taken the caches), which the pass timed alone leaves out. ``verifier`` holds at
     least ``length`` tokens of the context whose ``features`` are given, and keeps ``length``."""
     verifier.truncate(max(length, 1))
-    prefix = features[:, : max(length, 1)]
-    proposer.reset()
-    proposer.propose(bonus, prefix[:, :-4] if prefix.shape[1] > 4 else prefix[:, :1])
-    start = proposer.context_length
-    tail, empty = prefix[:, start : start + 4], DraftTree.empty()
+    draft_once, empty = _draft_pass(proposer, features, length, bonus), DraftTree.empty()
 
     def plain() -> None:
         verifier.verify(bonus, empty)
         verifier.discard()
 
     def drafted() -> None:
-        proposer.crop(start)
-        draft = proposer.propose(bonus, tail)
-        draft.rows()
+        draft = draft_once()
         draft.in_target_ids(build_ddtree(draft, PROFILE_TREE_BUDGET))
         plain()
 
@@ -511,19 +505,30 @@ def _draft_times(
     projected), timed by ``timing``."""
     draft_times: list[float] = []
     for length in lengths:
-        prefix = features[:, : max(length, 1)]
-        proposer.reset()
-        proposer.propose(bonus, prefix[:, :-4] if prefix.shape[1] > 4 else prefix[:, :1])
-        start = proposer.context_length
-        tail = prefix[:, start : start + 4]
-
-        def draft_once(start: int = start, tail: torch.Tensor = tail) -> None:
-            proposer.crop(start)
-            proposer.propose(bonus, tail).rows()  # the whole block projected
-
-        draft_times.append(timing(draft_once))
+        draft_times.append(timing(_draft_pass(proposer, features, length, bonus)))
         bar.update(1)
     return draft_times
+
+
+def _draft_pass(
+    proposer: Any, features: torch.Tensor, length: int, bonus: int
+) -> Callable[[], Any]:
+    """A call of one drafter pass at context ``length`` (the context's last 4 tokens new, the
+    whole block projected), returning its draft; the proposer is left holding the rest of the
+    context, which every call crops back to."""
+    prefix = features[:, : max(length, 1)]
+    proposer.reset()
+    proposer.propose(bonus, prefix[:, :-4] if prefix.shape[1] > 4 else prefix[:, :1])
+    start = proposer.context_length
+    tail = prefix[:, start : start + 4]
+
+    def draft_once() -> Any:
+        proposer.crop(start)
+        draft = proposer.propose(bonus, tail)
+        draft.rows()  # the whole block projected
+        return draft
+
+    return draft_once
 
 
 def _raw_measurements(model: CostModel) -> dict[int, tuple[list[int], list[float]]]:

@@ -75,10 +75,10 @@ class _Running:
     def copies_suffice(self) -> bool:
         """Whether this round leaves the drafter out: the copies alone promise more than its
         drafted rounds have delivered (:class:`~caddtree.engine.policies.DraftGate`)."""
-        choice, copies = self.choice, self.copies
+        choice = self.choice  # a batch's requests have one with copies only
         self.alone = None
-        if choice is not None and copies is not None:
-            self.alone = choice.alone(self.request.policy, copies.trie, self.length)
+        if choice is not None:
+            self.alone = choice.alone(self.request.policy, self.copies.trie, self.length)
         return self.alone is not None
 
     def walk(
