@@ -57,10 +57,10 @@ __all__ = [
 ]
 
 DEFAULT_NODE_COUNTS = (0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+"""The grid of the automatic (cached) profile: up to 256 nodes, a minute on a CPU."""
 
 #: the tree a drafted round builds when the profile times what drafting adds to a round
 PROFILE_TREE_BUDGET = 8
-"""The grid of the automatic (cached) profile: up to 256 nodes, a minute on a CPU."""
 
 PAPER_CONTEXT_LENGTHS = tuple(range(0, 8193, 1024))
 """The paper's context lengths (§4.4): 0, 1k, ..., 8k tokens."""
